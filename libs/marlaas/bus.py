@@ -1,0 +1,320 @@
+"""The bus: a small async API over nats-py JetStream that every service uses.
+
+What it adds to nats-py: the project's topology (streams, KV buckets) created
+idempotently, publish with ``Nats-Msg-Id`` dedup, durable pull consumers driven
+by a loop that survives reconnects and maps a handler's outcome to
+ack / nak(delay) / term, KV compare-and-set, and request/reply with queue groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import nats
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.aio.msg import Msg
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+
+from marlaas.events import EventDecodeError
+
+log = structlog.get_logger("marlaas.bus")
+
+JOBS_BUCKET = "jobs"
+VERSIONS_BUCKET = "versions"
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    name: str
+    subjects: list[str]
+    work_queue: bool = False
+    max_age_s: float = 0.0  # 0 = keep forever
+
+
+STREAMS = (
+    StreamSpec("JOBS", ["marlaas.job.>"]),
+    StreamSpec("POLICY", ["marlaas.policy.>"]),
+    StreamSpec("TRAJ", ["marlaas.trajectory.>"], work_queue=True),
+    StreamSpec("METRICS", ["marlaas.span.>"], max_age_s=7 * 24 * 3600),
+)
+BUCKETS = (JOBS_BUCKET, VERSIONS_BUCKET)
+
+
+class StaleRevision(Exception):
+    """A KV compare-and-set lost: the entry changed since it was read."""
+
+
+class PoisonMessage(Exception):
+    """A message that can never succeed: the consume loop terminates it instead of retrying."""
+
+
+@dataclass(frozen=True)
+class KvEntry:
+    value: bytes
+    revision: int
+
+
+class Delivery:
+    """One message taken from a durable consumer; the handler may settle it explicitly."""
+
+    def __init__(self, msg: Msg) -> None:
+        self.msg = msg
+        self.settled = False
+
+    @property
+    def data(self) -> bytes:
+        return self.msg.data
+
+    @property
+    def subject(self) -> str:
+        return self.msg.subject
+
+    @property
+    def num_delivered(self) -> int:
+        return self.msg.metadata.num_delivered
+
+    async def ack(self) -> None:
+        self.settled = True
+        await self.msg.ack()
+
+    async def nak(self, delay_s: float | None = None) -> None:
+        self.settled = True
+        await self.msg.nak(delay=delay_s)
+
+    async def term(self) -> None:
+        self.settled = True
+        await self.msg.term()
+
+    @contextlib.asynccontextmanager
+    async def keep_alive(self, every_s: float = 5.0):
+        """Send in-progress heartbeats while long work runs, so AckWait does not expire."""
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(every_s)
+                with contextlib.suppress(Exception):
+                    await self.msg.in_progress()
+
+        task = asyncio.create_task(beat())
+        try:
+            yield self
+        finally:
+            task.cancel()
+
+
+Handler = Callable[[Delivery], Awaitable[None]]
+
+
+class Bus:
+    """A connection to NATS with the project's JetStream topology."""
+
+    def __init__(self, nc: nats.NATS) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self._kv: dict[str, object] = {}
+
+    @classmethod
+    async def connect(cls, url: str, name: str = "marlaas") -> Bus:
+        """Connect with unlimited reconnects; the topology must exist (see :meth:`ensure_topology`)."""
+
+        async def on_error(exc: Exception) -> None:
+            log.warning("nats error", error=str(exc), client=name)
+
+        nc = await nats.connect(
+            servers=[url], name=name, allow_reconnect=True, max_reconnect_attempts=-1,
+            reconnect_time_wait=0.25, connect_timeout=2, error_cb=on_error,
+        )
+        return cls(nc)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.nc.drain()
+
+    # --- topology ------------------------------------------------------------------------
+
+    async def ensure_topology(self, duplicate_window_s: float = 300.0) -> None:
+        """Create the streams and KV buckets if missing; safe to call from every service."""
+        for spec in STREAMS:
+            config = StreamConfig(
+                name=spec.name, subjects=spec.subjects, storage=StorageType.FILE,
+                retention=RetentionPolicy.WORK_QUEUE if spec.work_queue else RetentionPolicy.LIMITS,
+                duplicate_window=duplicate_window_s, max_age=spec.max_age_s or None,
+            )
+            try:
+                await self.js.add_stream(config)
+            except nats.js.errors.BadRequestError:
+                await self.js.update_stream(config)
+        for bucket in BUCKETS:
+            await self._bucket(bucket)
+
+    async def _bucket(self, bucket: str):
+        if bucket not in self._kv:
+            try:
+                self._kv[bucket] = await self.js.key_value(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                self._kv[bucket] = await self.js.create_key_value(
+                    KeyValueConfig(bucket=bucket, history=8, storage=StorageType.FILE)
+                )
+        return self._kv[bucket]
+
+    # --- publish / request ---------------------------------------------------------------
+
+    async def publish(self, subject: str, data: bytes, msg_id: str | None = None) -> bool:
+        """Publish to JetStream; return False when the stream dropped it as a duplicate of ``msg_id``."""
+        headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        ack = await self.js.publish(subject, data, headers=headers)
+        return not ack.duplicate
+
+    async def emit(self, subject: str, data: bytes) -> None:
+        """Core publish (no persistence), for notifications nobody must receive."""
+        await self.nc.publish(subject, data)
+
+    async def request(self, subject: str, data: bytes, timeout_s: float = 10.0) -> bytes:
+        """Core request/reply; raises ``TimeoutError`` when nobody answers in time."""
+        try:
+            reply = await self.nc.request(subject, data, timeout=timeout_s)
+        except nats.errors.NoRespondersError as exc:
+            raise TimeoutError(f"no service answers on {subject!r}: is it running?") from exc
+        except nats.errors.TimeoutError as exc:
+            raise TimeoutError(f"no reply on {subject!r} within {timeout_s:.1f}s") from exc
+        return reply.data
+
+    async def serve(
+        self, subject: str, queue: str, answer: Callable[[bytes], Awaitable[bytes]]
+    ):
+        """Answer requests on ``subject`` in queue group ``queue``; each request runs as its own task."""
+
+        async def on_msg(msg: Msg) -> None:
+            async def run() -> None:
+                try:
+                    reply = await answer(msg.data)
+                except Exception:  # a bad request must not take the service down
+                    log.exception("request handler failed", subject=msg.subject)
+                    return
+                if msg.reply:
+                    await msg.respond(reply)
+
+            asyncio.get_running_loop().create_task(run())
+
+        return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+
+    # --- key-value -----------------------------------------------------------------------
+
+    async def kv_get(self, bucket: str, key: str) -> KvEntry | None:
+        kv = await self._bucket(bucket)
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        if entry.value is None:
+            return None
+        return KvEntry(entry.value, entry.revision)
+
+    async def kv_create(self, bucket: str, key: str, value: bytes) -> int:
+        """Create ``key``; raise :class:`StaleRevision` if it already exists."""
+        kv = await self._bucket(bucket)
+        try:
+            return await kv.create(key, value)
+        except nats.js.errors.KeyWrongLastSequenceError as exc:
+            raise StaleRevision(f"{bucket}/{key} already exists") from exc
+
+    async def kv_update(self, bucket: str, key: str, value: bytes, revision: int) -> int:
+        """Compare-and-set: write only if ``key`` is still at ``revision``."""
+        kv = await self._bucket(bucket)
+        try:
+            return await kv.update(key, value, last=revision)
+        except nats.js.errors.KeyWrongLastSequenceError as exc:
+            raise StaleRevision(f"{bucket}/{key} is no longer at revision {revision}") from exc
+
+    async def kv_keys(self, bucket: str) -> list[str]:
+        kv = await self._bucket(bucket)
+        try:
+            return list(await kv.keys())
+        except nats.js.errors.NoKeysError:
+            return []
+
+    # --- durable consumers ---------------------------------------------------------------
+
+    async def consume(
+        self, stream: str, durable: str, subject: str, handler: Handler, *,
+        stop: asyncio.Event, ack_wait_s: float = 30.0, max_deliver: int = 20,
+        concurrency: int = 1, retry_delay_s: float = 1.0, deliver_new: bool = False,
+    ) -> None:
+        """Run ``handler`` on each message of a durable pull consumer until ``stop`` is set.
+
+        A handler that returns without settling acks; one that raises :class:`PoisonMessage`
+        or :class:`EventDecodeError` terms; any other exception naks with a delay
+        (transient). Up to ``concurrency`` messages are handled at once. Connection loss
+        and server restarts are ridden out: the loop keeps fetching once NATS is back.
+        """
+        config = ConsumerConfig(
+            durable_name=durable, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s,
+            max_deliver=max_deliver, max_ack_pending=max(concurrency, 1) * 4,
+            deliver_policy=DeliverPolicy.NEW if deliver_new else DeliverPolicy.ALL,
+        )
+        slots = asyncio.Semaphore(concurrency)
+        running: set[asyncio.Task] = set()
+        sub = None
+        while not stop.is_set():
+            try:
+                if sub is None:
+                    sub = await self.js.pull_subscribe(
+                        subject, durable=durable, stream=stream, config=config
+                    )
+                await slots.acquire()
+                try:
+                    msgs = await sub.fetch(1, timeout=0.5)
+                except BaseException:
+                    slots.release()
+                    raise
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            except Exception as exc:  # disconnected, server restarting: wait and fetch again
+                log.warning("fetch failed; retrying", stream=stream, durable=durable, error=repr(exc))
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                task = asyncio.create_task(self._handle(Delivery(msg), handler, retry_delay_s, slots))
+                running.add(task)
+                task.add_done_callback(running.discard)
+        if running:  # drain: finish in-flight work and settle it before returning
+            await asyncio.gather(*running, return_exceptions=True)
+
+    @staticmethod
+    async def _handle(
+        delivery: Delivery, handler: Handler, retry_delay_s: float, slots: asyncio.Semaphore
+    ) -> None:
+        try:
+            await handler(delivery)
+            if not delivery.settled:
+                await delivery.ack()
+        except (PoisonMessage, EventDecodeError) as exc:
+            log.error("terminating poison message", subject=delivery.subject, error=str(exc))
+            with contextlib.suppress(Exception):
+                await delivery.term()
+        except Exception as exc:
+            log.warning("handler failed; will retry", subject=delivery.subject, error=repr(exc),
+                        attempt=delivery.num_delivered)
+            with contextlib.suppress(Exception):
+                await delivery.nak(retry_delay_s * min(delivery.num_delivered, 10))
+        finally:
+            slots.release()
+
+
+def now() -> float:
+    """Wall-clock seconds; every timestamp on the wire uses this."""
+    return time.time()

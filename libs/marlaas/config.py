@@ -1,0 +1,134 @@
+"""Typed configuration: defaults <- TOML file <- ``MARLAAS_*`` env vars <- CLI flags.
+
+Validated once at the edge (``load_config``) with errors that name the field, then
+passed down explicitly. Config structs forbid unknown fields so a typo fails loudly.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+
+class ConfigError(ValueError):
+    """A config value is missing, misspelled or of the wrong type."""
+
+
+class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of config sections."""
+
+
+class RolloutConfig(Section):
+    kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE on CPU
+    gpu_memory_utilization: float = 0.8
+    max_loras: int = 8  # adapters resident in one engine batch
+    max_lora_rank: int = 16
+    max_model_len: int = 512
+    dtype: str = "float32"
+    concurrency: int = 16  # jobs sampled at once by one replica
+
+
+class TrainerConfig(Section):
+    device: Literal["cpu", "cuda", "npu"] = "cpu"
+    hot_adapters: int = 16  # jobs whose adapter + optimizer stay in memory
+    torch_threads: int = 0  # 0 = torch's default
+
+
+class ManagerConfig(Section):
+    kv_budget_gib: float = 1.0  # admission: estimated KV-cache bytes of running jobs must fit
+    schedule: Literal["async", "sync", "sequential"] = "async"
+
+
+class Config(Section):
+    """The whole stack's configuration."""
+
+    home: str = "~/.marlaas"
+    nats_url: str = ""  # "" = start the embedded nats-server
+    store_url: str = ""  # "" = file://<home>/store
+    base_model: str = ""  # "" = the built-in tiny model; else a local HF model directory
+    log_format: Literal["console", "json"] = "console"
+    log_level: str = "info"
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    manager: ManagerConfig = msgspec.field(default_factory=ManagerConfig)
+
+    @property
+    def home_dir(self) -> Path:
+        return Path(self.home).expanduser().resolve()
+
+    @property
+    def resolved_store_url(self) -> str:
+        return self.store_url or f"file://{self.home_dir / 'store'}"
+
+    @property
+    def base_model_dir(self) -> Path:
+        if self.base_model:
+            path = Path(self.base_model).expanduser()
+            if not (path / "config.json").is_file():
+                raise ConfigError(
+                    f"base_model: {path} is not a Hugging Face model directory (no config.json); "
+                    "give a local directory saved with save_pretrained"
+                )
+            return path.resolve()
+        from marlaas.basemodel import builtin_model_dir
+
+        return builtin_model_dir()
+
+
+_ENV = {
+    "MARLAAS_HOME": "home",
+    "MARLAAS_NATS_URL": "nats_url",
+    "MARLAAS_STORE_URL": "store_url",
+    "MARLAAS_BASE_MODEL": "base_model",
+    "MARLAAS_LOG_FORMAT": "log_format",
+    "MARLAAS_LOG_LEVEL": "log_level",
+    "MARLAAS_DEVICE": "trainer.device",
+    "MARLAAS_SCHEDULE": "manager.schedule",
+}
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for name in parents:
+        tree = tree.setdefault(name, {})
+    tree[leaf] = value
+
+
+def load_config(
+    path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> Config:
+    """Merge file, env and ``overrides`` (dotted keys, e.g. ``"manager.schedule"``) and validate."""
+    env = os.environ if env is None else env
+    tree: dict[str, Any] = {}
+    path = path or env.get("MARLAAS_CONFIG")
+    if path:
+        try:
+            tree = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file {path} does not exist") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    for var, dotted in _ENV.items():
+        if env.get(var):
+            _set_dotted(tree, dotted, env[var])
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(tree, dotted, value)
+    try:
+        return msgspec.convert(tree, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid config: {exc}") from exc
+
+
+def dump_config(config: Config) -> bytes:
+    """The config as JSON, for handing to child processes."""
+    return msgspec.json.encode(config)
+
+
+def read_config_json(data: bytes) -> Config:
+    return msgspec.json.decode(data, type=Config)

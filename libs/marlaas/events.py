@@ -1,0 +1,314 @@
+"""Wire contracts: every event that crosses the bus, as msgspec Structs.
+
+One tagged union per stream, one typed decoder built once per union. Rules for
+evolving these types (msgspec's): new fields get defaults, a field never changes
+type, and nothing here is ``array_like``. Wire structs accept unknown fields so
+an old reader can decode a newer writer's event. This module imports neither
+torch nor vllm: every service, the CLI and the SDK can afford it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Generic, TypeVar
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+
+class EventDecodeError(ValueError):
+    """Bytes on a stream that are not a valid event of that stream."""
+
+
+class Wire(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of the plain (untagged) wire structs."""
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    """Base of every tagged event; ``schema`` lets readers tell writers apart."""
+
+    schema: int = SCHEMA_VERSION
+
+
+# --- job specs ---------------------------------------------------------------------------
+
+
+class GrpoSettings(Wire):
+    """How one job samples and updates: GRPO groups, clipping, KL, optimizer."""
+
+    prompts_per_step: int = 8
+    group_size: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    learning_rate: float = 2e-3
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+
+
+class LoraSettings(Wire):
+    """The job's adapter shape (peft ``LoraConfig`` fields)."""
+
+    rank: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    )
+
+
+class JobSpec(Wire):
+    """A validated, admitted-or-queued job. ``id`` is ``<tenant>.<slug>``."""
+
+    id: str
+    tenant: str
+    name: str
+    task: str
+    steps: int
+    seed: int = 0
+    dataset: str | None = None  # a local JSONL path for tasks that take user data
+    grpo: GrpoSettings = msgspec.field(default_factory=GrpoSettings)
+    lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
+    submitted_at: float = 0.0
+
+
+class JobState(str, enum.Enum):
+    """Lifecycle: queued -> running -> completed | failed | cancelled."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
+
+
+class Blob(Wire):
+    """A payload that travels by reference: written fully before it is announced."""
+
+    uri: str
+    sha256: str
+    size: int = 0
+
+
+# --- JOBS stream: marlaas.job.<kind>.<job> ------------------------------------------------
+
+
+class JobSubmitted(Event, tag="job.submitted"):
+    spec: JobSpec
+
+
+class JobStateChanged(Event, tag="job.state"):
+    job: str
+    state: JobState
+    reason: str = ""
+    at: float = 0.0
+
+
+class JobFailureReported(Event, tag="job.failure"):
+    """A service met a fault that is the job's own (non-finite loss, bad data)."""
+
+    job: str
+    service: str
+    reason: str
+    version: int = -1
+
+
+JobEvent = JobSubmitted | JobStateChanged | JobFailureReported
+
+
+# --- POLICY stream: marlaas.policy.committed.<job> ----------------------------------------
+
+
+class PolicyCommitted(Event, tag="policy.committed"):
+    """Version ``version`` of ``job`` is committed; ``metrics`` describe the batch that made it."""
+
+    job: str
+    version: int
+    adapter: Blob
+    batch_id: str = ""  # "" for version 0 (the seeded init)
+    metrics: dict[str, float] = {}
+    committed_at: float = 0.0
+
+
+PolicyEvent = PolicyCommitted
+
+
+# --- TRAJ stream: marlaas.trajectory.ready.<job> ------------------------------------------
+
+
+class Sample(Wire):
+    """One completion: token ids, the engine's sampling logprobs, its loss mask and reward."""
+
+    group: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    loss_mask: list[int]
+    reward: float
+    text: str = ""
+
+
+class TrajectoryBatch(Wire):
+    """One GRPO step's worth of samples, all drawn from one policy version."""
+
+    samples: list[Sample]
+
+
+class TrajectoryReady(Event, tag="trajectory.ready"):
+    """A batch sampled with ``version``; inline when small, else by ``batch_ref``."""
+
+    job: str
+    version: int
+    batch_id: str
+    batch: TrajectoryBatch | None = None
+    batch_ref: Blob | None = None
+    sampled_at: float = 0.0
+
+
+TrajectoryEvent = TrajectoryReady
+
+
+# --- core request/reply: marlaas.tool.<ns>.<tool>, marlaas.reward.<task> ------------------
+
+
+class ToolCall(Event, tag="tool.call"):
+    job: str
+    call_id: str
+    tool: str
+    arguments: str = "{}"  # JSON text, as the model wrote it
+
+
+class ToolResult(Event, tag="tool.result"):
+    call_id: str
+    output: str = ""
+    error: str = ""
+
+
+ToolEvent = ToolCall | ToolResult
+
+
+class RewardItem(Wire):
+    problem: dict
+    completion: str
+
+
+class RewardRequest(Event, tag="reward.request"):
+    job: str
+    task: str
+    items: list[RewardItem]
+
+
+class RewardResult(Event, tag="reward.result"):
+    rewards: list[float] = []
+    error: str = ""
+
+
+RewardEvent = RewardRequest | RewardResult
+
+
+# --- METRICS stream: marlaas.span.<job> ---------------------------------------------------
+
+
+class Span(Event, tag="span"):
+    """A timed phase of one job in one service (``generate``, ``reward``, ``train``, ``commit``)."""
+
+    job: str
+    service: str
+    phase: str
+    version: int
+    start: float
+    end: float
+    attrs: dict[str, float | str] = {}
+
+
+MetricEvent = Span
+
+# --- KV records: buckets "versions" and "jobs" --------------------------------------------
+
+
+class CommittedVersion(Wire):
+    """The ``versions`` entry of a job: changed only by compare-and-set from the revision read."""
+
+    job: str
+    version: int
+    adapter: Blob
+    optimizer: Blob | None = None
+    batch_id: str = ""
+    committed_at: float = 0.0
+
+
+class JobRecord(Wire):
+    """The ``jobs`` entry of a job: its spec, state and the figures users see."""
+
+    spec: JobSpec
+    state: JobState = JobState.QUEUED
+    reason: str = ""
+    version: int = -1
+    rewards: list[float] = []  # mean reward of the batch trained at each version, in order
+    kv_cache_bytes: int = 0
+    admitted_at: float = 0.0
+    first_commit_at: float = 0.0  # version 1, i.e. the first trained update
+    last_commit_at: float = 0.0
+    finished_at: float = 0.0
+
+    @property
+    def steps_done(self) -> int:
+        return max(self.version, 0)
+
+    @property
+    def ttfs_s(self) -> float | None:
+        """Time to first step: submission -> first committed update."""
+        return self.first_commit_at - self.spec.submitted_at if self.first_commit_at else None
+
+    @property
+    def tpts_s(self) -> float | None:
+        """Time per training step, averaged over the steps after the first."""
+        if self.version < 2:
+            return None
+        return (self.last_commit_at - self.first_commit_at) / (self.version - 1)
+
+
+# --- encoding -----------------------------------------------------------------------------
+
+T = TypeVar("T")
+_encoder = msgspec.json.Encoder()
+
+
+def encode(event: msgspec.Struct) -> bytes:
+    """Serialize any wire struct to JSON bytes."""
+    return _encoder.encode(event)
+
+
+class Codec(Generic[T]):
+    """A typed decoder for one stream's union, built once."""
+
+    def __init__(self, name: str, type_: type[T]) -> None:
+        self.name = name
+        self._decoder = msgspec.json.Decoder(type_)
+
+    def decode(self, data: bytes) -> T:
+        """Decode ``data``; raise :class:`EventDecodeError` naming the stream on bad bytes."""
+        try:
+            return self._decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise EventDecodeError(
+                f"malformed {self.name} event ({len(data)} bytes): {exc}"
+            ) from exc
+
+
+JOB = Codec("job", JobEvent)
+POLICY = Codec("policy", PolicyEvent)
+TRAJECTORY = Codec("trajectory", TrajectoryEvent)
+TOOL = Codec("tool", ToolEvent)
+REWARD = Codec("reward", RewardEvent)
+METRIC = Codec("metric", MetricEvent)
+JOB_SPEC = Codec("job spec", JobSpec)
+BATCH = Codec("trajectory batch", TrajectoryBatch)
+COMMITTED = Codec("committed version", CommittedVersion)
+JOB_RECORD = Codec("job record", JobRecord)

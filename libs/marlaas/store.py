@@ -1,0 +1,240 @@
+"""Object store for adapters, optimizer state and big trajectory batches.
+
+Two backends chosen by URL: ``file://DIR`` (the embedded default; atomic write by
+temp file + rename, so a crash never leaves a partial object) and
+``s3://bucket/prefix`` through the ``minio`` SDK (MinIO or any S3-compatible
+server; endpoint and credentials from the arguments or ``MARLAAS_S3_*`` env vars).
+
+Every write is immutable: writing the same bytes to an existing key is a no-op,
+writing different bytes is an :class:`ImmutableKeyError`.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import hashlib
+import io
+import os
+import tempfile
+from pathlib import Path
+from urllib.parse import urlparse
+
+from marlaas.events import Blob
+
+
+class ImmutableKeyError(Exception):
+    """A write tried to replace an existing object with different bytes."""
+
+
+class ObjectNotFound(KeyError):
+    """No object under that key."""
+
+
+class ChecksumMismatch(Exception):
+    """The bytes read do not match the sha256 they were announced with."""
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class ObjectStore(abc.ABC):
+    """put/get/exists/list/delete of bytes and files, addressed by key, with sha256."""
+
+    url: str
+
+    @abc.abstractmethod
+    def _read(self, key: str) -> bytes: ...
+
+    @abc.abstractmethod
+    def _write_new(self, key: str, data: bytes) -> None:
+        """Write ``data`` under ``key`` atomically; fail if the key exists (race)."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[str]: ...
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    def uri(self, key: str) -> str:
+        return f"{self.url.rstrip('/')}/{key}"
+
+    def key_of(self, uri: str) -> str:
+        base = self.url.rstrip("/") + "/"
+        if not uri.startswith(base):
+            raise ValueError(f"{uri!r} is not in this store ({self.url})")
+        return uri[len(base):]
+
+    def put_bytes(self, key: str, data: bytes) -> Blob:
+        """Store ``data`` under ``key`` (immutable) and return its reference."""
+        digest = sha256_hex(data)
+        if self.exists(key):
+            if sha256_hex(self._read(key)) != digest:
+                raise ImmutableKeyError(
+                    f"{self.uri(key)} already holds different bytes; versioned keys are "
+                    "immutable: write the new payload under a new version"
+                )
+        else:
+            self._write_new(key, data)
+        return Blob(uri=self.uri(key), sha256=digest, size=len(data))
+
+    def get_bytes(self, key: str, sha256: str | None = None) -> bytes:
+        """Read ``key``; when ``sha256`` is given, verify it."""
+        data = self._read(key)
+        if sha256 is not None and sha256_hex(data) != sha256:
+            raise ChecksumMismatch(f"{self.uri(key)}: sha256 {sha256_hex(data)} != expected {sha256}")
+        return data
+
+    def fetch(self, blob: Blob) -> bytes:
+        """Read the bytes a :class:`Blob` points at, verified."""
+        return self.get_bytes(self.key_of(blob.uri), blob.sha256)
+
+    def put_file(self, key: str, path: str | os.PathLike) -> Blob:
+        return self.put_bytes(key, Path(path).read_bytes())
+
+    def get_file(self, key: str, path: str | os.PathLike, sha256: str | None = None) -> Path:
+        """Copy ``key`` to ``path`` (atomically) and return the path."""
+        path = Path(path)
+        _atomic_write(path, self.get_bytes(key, sha256))
+        return path
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+class FileStore(ObjectStore):
+    """Objects as plain files under a directory; temp files (``.*.tmp``) are never listed."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.url = f"file://{self.root}"
+
+    def path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if self.root not in path.parents:
+            raise ValueError(f"key {key!r} escapes the store root")
+        return path
+
+    def _read(self, key: str) -> bytes:
+        try:
+            return self.path(key).read_bytes()
+        except FileNotFoundError as exc:
+            raise ObjectNotFound(self.uri(key)) from exc
+
+    def _write_new(self, key: str, data: bytes) -> None:
+        _atomic_write(self.path(key), data)
+
+    def exists(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    def list(self, prefix: str = "") -> list[str]:
+        keys = []
+        for p in self.root.rglob("*"):
+            if p.is_file() and not p.name.endswith(".tmp"):
+                key = p.relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    keys.append(key)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path(key).unlink()
+
+
+class S3Store(ObjectStore):
+    """Objects in an S3 bucket through the minio SDK; S3 PUTs are atomic by nature."""
+
+    def __init__(
+        self, bucket: str, prefix: str = "", *, endpoint: str | None = None,
+        access_key: str | None = None, secret_key: str | None = None, secure: bool | None = None,
+    ) -> None:
+        from minio import Minio
+
+        endpoint = endpoint or os.environ.get("MARLAAS_S3_ENDPOINT", "127.0.0.1:9000")
+        parsed = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
+        if secure is None:
+            secure = parsed.scheme == "https"
+        self.client = Minio(
+            parsed.netloc,
+            access_key=access_key or os.environ.get("MARLAAS_S3_ACCESS_KEY", "minioadmin"),
+            secret_key=secret_key or os.environ.get("MARLAAS_S3_SECRET_KEY", "minioadmin"),
+            secure=secure,
+        )
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        if not self.client.bucket_exists(bucket):
+            self.client.make_bucket(bucket)
+
+    def _name(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _read(self, key: str) -> bytes:
+        from minio.error import S3Error
+
+        try:
+            resp = self.client.get_object(self.bucket, self._name(key))
+        except S3Error as exc:
+            if exc.code in ("NoSuchKey", "NoSuchObject"):
+                raise ObjectNotFound(self.uri(key)) from exc
+            raise
+        try:
+            return resp.read()
+        finally:
+            resp.close()
+            resp.release_conn()
+
+    def _write_new(self, key: str, data: bytes) -> None:
+        # part_size=len: one PUT, never multipart, so the object appears whole or not at all
+        self.client.put_object(
+            self.bucket, self._name(key), io.BytesIO(data), length=len(data),
+            part_size=max(len(data), 5 * 1024 * 1024),
+        )
+
+    def exists(self, key: str) -> bool:
+        from minio.error import S3Error
+
+        try:
+            self.client.stat_object(self.bucket, self._name(key))
+            return True
+        except S3Error as exc:
+            if exc.code in ("NoSuchKey", "NoSuchObject", "NotFound"):
+                return False
+            raise
+
+    def list(self, prefix: str = "") -> list[str]:
+        start = len(self.prefix) + 1 if self.prefix else 0
+        objects = self.client.list_objects(self.bucket, prefix=self._name(prefix), recursive=True)
+        return sorted(o.object_name[start:] for o in objects)
+
+    def delete(self, key: str) -> None:
+        self.client.remove_object(self.bucket, self._name(key))
+
+
+def open_store(url: str) -> ObjectStore:
+    """``file:///abs/dir`` or ``s3://bucket[/prefix]``; anything else is a clear error."""
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        return FileStore(parsed.path)
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise ValueError(f"store URL {url!r} names no bucket: use s3://BUCKET[/PREFIX]")
+        return S3Store(parsed.netloc, parsed.path)
+    raise ValueError(f"unsupported store URL {url!r}: use file:///DIR or s3://BUCKET[/PREFIX]")

@@ -1,0 +1,53 @@
+"""The task API: a dataset of problems plus the reward that judges a completion.
+
+A task is a small class; adding one never touches the services. ``problem`` dicts
+carry at least ``prompt`` and ``answer`` and travel to the env service verbatim.
+"""
+
+from __future__ import annotations
+
+import abc
+import random
+from typing import ClassVar, Literal
+
+
+class TaskError(ValueError):
+    """A task was asked for with settings it cannot use (unknown name, bad dataset)."""
+
+
+class Task(abc.ABC):
+    """A family of problems with a verifiable reward in [0, 1]."""
+
+    name: ClassVar[str]
+    kind: ClassVar[Literal["single-turn", "agentic"]] = "single-turn"
+    description: ClassVar[str]
+    max_new_tokens: ClassVar[int] = 16  # a generation budget that fits the answers
+    needs_dataset: ClassVar[bool] = False
+
+    def __init__(self, dataset: str | None = None) -> None:
+        if dataset and not self.needs_dataset:
+            raise TaskError(f"task {self.name!r} is built in and takes no dataset; drop 'dataset'")
+        if self.needs_dataset and not dataset:
+            raise TaskError(f"task {self.name!r} needs 'dataset': a path to a JSONL file")
+        self.dataset = dataset
+
+    @abc.abstractmethod
+    def sample_problem(self, rng: random.Random) -> dict:
+        """One problem: ``{"prompt": str, "answer": str, ...}``."""
+
+    @abc.abstractmethod
+    def reward(self, problem: dict, completion: str) -> float:
+        """Judge ``completion`` against ``problem``; a value in [0, 1]."""
+
+    def problems(self, n: int, seed: int) -> list[dict]:
+        """``n`` problems drawn deterministically from ``seed``."""
+        rng = random.Random(seed)
+        return [self.sample_problem(rng) for _ in range(n)]
+
+
+def char_match(prediction: str, answer: str) -> float:
+    """Position-wise character agreement over the longer string: 1.0 only for an exact match."""
+    longest = max(len(prediction), len(answer))
+    if longest == 0:
+        return 1.0
+    return sum(p == a for p, a in zip(prediction, answer)) / longest
