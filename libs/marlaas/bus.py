@@ -141,8 +141,12 @@ class Bus:
         return cls(nc)
 
     async def close(self) -> None:
-        with contextlib.suppress(Exception):
+        """Drain what arrived and flush publishes, then close; close anyway if draining fails."""
+        try:
             await self.nc.drain()
+        except Exception:  # reconnecting or already closed: nothing left to drain
+            with contextlib.suppress(Exception):
+                await self.nc.close()
 
     # --- topology ------------------------------------------------------------------------
 
@@ -269,30 +273,40 @@ class Bus:
         slots = asyncio.Semaphore(concurrency)
         running: set[asyncio.Task] = set()
         sub = None
-        while not stop.is_set():
-            try:
-                if sub is None:
-                    sub = await self.js.pull_subscribe(
-                        subject, durable=durable, stream=stream, config=config
-                    )
-                await slots.acquire()
+        try:
+            while not stop.is_set():
                 try:
-                    msgs = await sub.fetch(1, timeout=0.5)
-                except BaseException:
-                    slots.release()
-                    raise
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                continue
-            except Exception as exc:  # disconnected, server restarting: wait and fetch again
-                log.warning("fetch failed; retrying", stream=stream, durable=durable, error=repr(exc))
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                task = asyncio.create_task(self._handle(Delivery(msg), handler, retry_delay_s, slots))
-                running.add(task)
-                task.add_done_callback(running.discard)
-        if running:  # drain: finish in-flight work and settle it before returning
-            await asyncio.gather(*running, return_exceptions=True)
+                    if sub is None:
+                        sub = await self.js.pull_subscribe(
+                            subject, durable=durable, stream=stream, config=config
+                        )
+                    await slots.acquire()
+                    try:
+                        msgs = await sub.fetch(1, timeout=0.5)
+                    except BaseException:
+                        slots.release()
+                        raise
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    continue
+                except Exception as exc:  # disconnected, server restarting: wait and fetch again
+                    log.warning("fetch failed; retrying", stream=stream, durable=durable,
+                                error=repr(exc))
+                    await asyncio.sleep(0.5)
+                    continue
+                for msg in msgs:
+                    task = asyncio.create_task(
+                        self._handle(Delivery(msg), handler, retry_delay_s, slots)
+                    )
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+            if running:  # drain: finish in-flight work and settle it before returning
+                await asyncio.gather(*running, return_exceptions=True)
+        finally:
+            # An expired fetch leaves a status message in the subscription's queue; left
+            # subscribed, it would hold Bus.close()'s drain for its full 30 s timeout.
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
 
     @staticmethod
     async def _handle(

@@ -23,7 +23,7 @@ class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class RolloutConfig(Section):
-    kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE on CPU
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB)
     gpu_memory_utilization: float = 0.8
     max_loras: int = 8  # adapters resident in one engine batch
     max_lora_rank: int = 16

@@ -202,6 +202,7 @@ class RewardRequest(Event, tag="reward.request"):
     job: str
     task: str
     items: list[RewardItem]
+    dataset: str = ""  # the job's dataset, for tasks built from user data
 
 
 class RewardResult(Event, tag="reward.result"):
@@ -240,6 +241,7 @@ class CommittedVersion(Wire):
     adapter: Blob
     optimizer: Blob | None = None
     batch_id: str = ""
+    metrics: dict[str, float] = {}  # of the batch that made this version
     committed_at: float = 0.0
 
 

@@ -232,6 +232,11 @@ def open_store(url: str) -> ObjectStore:
     """``file:///abs/dir`` or ``s3://bucket[/prefix]``; anything else is a clear error."""
     parsed = urlparse(url)
     if parsed.scheme == "file":
+        # file://dir/x parses as host "dir" + path "/x": refuse it rather than write to /x
+        if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
+            raise ValueError(
+                f"store URL {url!r} is not an absolute path: use file:///ABS/DIR (three slashes)"
+            )
         return FileStore(parsed.path)
     if parsed.scheme == "s3":
         if not parsed.netloc:

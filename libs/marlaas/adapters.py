@@ -1,0 +1,89 @@
+"""LoRA adapters in the object store: keys, the seeded version-0 init, and materializing for vLLM.
+
+An adapter version lives under an attempt-unique prefix
+``adapters/<job>/v<version>/<attempt>/`` holding PEFT's two files
+(``adapter_config.json``, ``adapter_model.safetensors``). Keys are never reused;
+which attempt *is* version v is decided by the compare-and-set on the
+``versions`` KV entry, so a crashed attempt leaves only an unreferenced orphan.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from pathlib import Path
+
+from marlaas.events import Blob, LoraSettings
+from marlaas.store import ObjectStore
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+def attempt_prefix(kind: str, job: str, version: int) -> str:
+    """A fresh, never-reused key prefix for one attempt at writing ``version``."""
+    return f"{kind}/{job}/v{version:06d}/{uuid.uuid4().hex[:12]}"
+
+
+def write_adapter(store: ObjectStore, job: str, version: int, config_json: bytes, weights: bytes) -> Blob:
+    """Write config then weights; the returned Blob (of the weights) is what gets announced."""
+    prefix = attempt_prefix("adapters", job, version)
+    store.put_bytes(f"{prefix}/{CONFIG_FILE}", config_json)
+    return store.put_bytes(f"{prefix}/{WEIGHTS_FILE}", weights)
+
+
+def materialize(store: ObjectStore, blob: Blob, dest: Path) -> Path:
+    """Copy an adapter to a local directory (for vLLM / peft), verifying the weights' sha256."""
+    weights_key = store.key_of(blob.uri)
+    config_key = weights_key.rsplit("/", 1)[0] + "/" + CONFIG_FILE
+    dest.mkdir(parents=True, exist_ok=True)
+    if not (dest / WEIGHTS_FILE).exists():
+        store.get_file(config_key, dest / CONFIG_FILE)
+        store.get_file(weights_key, dest / WEIGHTS_FILE, sha256=blob.sha256)
+    return dest
+
+
+def lora_config(settings: LoraSettings):
+    """The peft ``LoraConfig`` for a job's settings."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules), bias="none", task_type="CAUSAL_LM",
+    )
+
+
+def init_adapter(base_model_dir: Path, settings: LoraSettings, seed: int) -> tuple[bytes, bytes]:
+    """Version 0 of a job: PEFT's default LoRA init (A ~ Kaiming-uniform, B = 0), seeded.
+
+    The base model is built on the meta device, so no base weights are read: this
+    costs the same for a 0.6B model as for the tiny one. Returns (config JSON, safetensors).
+    """
+    import tempfile
+
+    import torch
+    from peft import get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import save
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_config = AutoConfig.from_pretrained(base_model_dir)
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(model_config)
+    config = lora_config(settings)
+    try:
+        shapes = get_peft_model_state_dict(get_peft_model(base, config))
+    except ValueError as exc:  # peft: "Target modules ... not found in the base model"
+        raise ValueError(f"lora.target_modules do not fit the base model: {exc}") from exc
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name in sorted(shapes):
+        tensor = torch.zeros(shapes[name].shape, dtype=torch.float32)
+        if "lora_A" in name:
+            torch.nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
+        weights[name] = tensor
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)
+        config_json = json.loads((Path(tmp) / CONFIG_FILE).read_text())
+    config_json["base_model_name_or_path"] = str(base_model_dir)
+    return json.dumps(config_json, indent=1).encode(), save(weights)

@@ -1,0 +1,108 @@
+"""The manager's user API over NATS request/reply, and the job-submission format.
+
+Subjects: ``marlaas.api.submit`` / ``.status`` / ``.cancel``. A submission is the
+same whether it comes from a TOML job file, CLI flags or the SDK: a
+:class:`SubmitRequest`, checked for unknown keys (a typo fails loudly) and then
+validated by the manager against the running stack.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from marlaas.events import GrpoSettings, JobRecord, LoraSettings
+
+SUBMIT = "marlaas.api.submit"
+STATUS = "marlaas.api.status"
+CANCEL = "marlaas.api.cancel"
+
+
+class SubmitError(ValueError):
+    """A job submission that cannot be accepted; the message says what to fix."""
+
+
+class SubmitRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What a user submits. ``grpo`` / ``lora`` override the defaults key by key."""
+
+    name: str
+    task: str
+    steps: int
+    seed: int = 0
+    tenant: str = "default"
+    dataset: str | None = None
+    grpo: GrpoSettings = msgspec.field(default_factory=GrpoSettings)
+    lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
+
+
+def _check_keys(tree: Any, type_: type, where: str) -> None:
+    """Reject keys the (lenient) wire structs would silently ignore."""
+    if not isinstance(tree, dict):
+        return
+    fields = {f.name: f for f in msgspec.structs.fields(type_)}
+    for key, value in tree.items():
+        if key not in fields:
+            raise SubmitError(f"unknown field '{where}{key}'; known fields: {', '.join(sorted(fields))}")
+        if key in ("grpo", "lora"):
+            _check_keys(value, GrpoSettings if key == "grpo" else LoraSettings, f"{key}.")
+
+
+def parse_submission(tree: dict) -> SubmitRequest:
+    """A submission from a TOML / JSON tree; errors name the field."""
+    _check_keys(tree, SubmitRequest, "")
+    try:
+        return msgspec.convert(tree, SubmitRequest)
+    except msgspec.ValidationError as exc:
+        raise SubmitError(f"invalid job: {exc}") from exc
+
+
+class SubmitReply(msgspec.Struct, kw_only=True):
+    id: str = ""
+    error: str = ""
+
+
+class StatusRequest(msgspec.Struct, kw_only=True):
+    job: str = ""
+    tenant: str = ""
+
+
+class JobView(msgspec.Struct, kw_only=True):
+    """One job as users see it (``marlaas status --json``)."""
+
+    id: str
+    name: str
+    tenant: str
+    task: str
+    state: str
+    reason: str
+    version: int
+    steps: int
+    target_steps: int
+    rewards: list[float]
+    ttfs_s: float | None
+    tpts_s: float | None
+
+
+def job_view(record: JobRecord) -> JobView:
+    spec = record.spec
+    return JobView(id=spec.id, name=spec.name, tenant=spec.tenant, task=spec.task,
+                   state=record.state.value, reason=record.reason, version=record.version,
+                   steps=record.steps_done, target_steps=spec.steps, rewards=record.rewards,
+                   ttfs_s=record.ttfs_s, tpts_s=record.tpts_s)
+
+
+class StatusReply(msgspec.Struct, kw_only=True):
+    jobs: list[JobView] = []
+    error: str = ""
+
+
+class CancelRequest(msgspec.Struct, kw_only=True):
+    job: str
+    tenant: str = ""
+
+
+class CancelReply(msgspec.Struct, kw_only=True):
+    id: str = ""
+    state: str = ""
+    error: str = ""

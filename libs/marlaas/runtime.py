@@ -1,0 +1,69 @@
+"""What every service process shares: config from ``--config``, logging, the bus, the store,
+and shutdown as a protocol (SIGINT/SIGTERM set ``stop``; the service drains and returns)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import faulthandler
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from marlaas.bus import Bus
+from marlaas.config import Config, load_config, read_config_json
+from marlaas.logs import setup_logging
+from marlaas.store import ObjectStore, open_store
+
+
+@dataclass
+class Runtime:
+    """A service's connections and its stop signal."""
+
+    name: str
+    config: Config
+    bus: Bus
+    store: ObjectStore
+    stop: asyncio.Event
+
+    def ready(self) -> None:
+        """Tell the launcher this process is serving (a file ``run/ready/<name>-<pid>`` in home)."""
+        marker = self.config.home_dir / "run" / "ready" / f"{self.name}-{os.getpid()}"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+
+
+def parse_config(name: str, argv: list[str] | None = None) -> Config:
+    parser = argparse.ArgumentParser(prog=f"python -m services.{name}")
+    parser.add_argument("--config", help="a TOML config file, or the JSON written by `marlaas up`")
+    args = parser.parse_args(argv)
+    if args.config and args.config.endswith(".json"):
+        return read_config_json(Path(args.config).read_bytes())
+    return load_config(args.config)
+
+
+def run_service(name: str, main: Callable[[Runtime], Awaitable[None]], argv: list[str] | None = None) -> None:
+    """Entry point body: parse config, set up logging, run ``main`` until SIGINT/SIGTERM."""
+    config = parse_config(name, argv)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
+    log = setup_logging(name, config.log_format, config.log_level)
+    if not config.nats_url:
+        raise SystemExit(f"{name}: nats_url is not set (use `marlaas up`, or set MARLAAS_NATS_URL)")
+
+    async def amain() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        bus = await Bus.connect(config.nats_url, name=name)
+        await bus.ensure_topology()
+        runtime = Runtime(name, config, bus, open_store(config.resolved_store_url), stop)
+        try:
+            await main(runtime)
+        finally:
+            await bus.close()
+            log.info("stopped")
+
+    asyncio.run(amain())

@@ -1,0 +1,59 @@
+"""Spans: timed phases of a job in a service, published to the METRICS stream.
+
+They are how overlap and the on-policy audit are shown: every service records
+when each job's phase ran (``generate``, ``reward``, ``train``, ``commit``), with
+the versions involved, on ``marlaas.span.<job>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import structlog
+
+from marlaas.bus import Bus
+from marlaas.events import Span, encode
+
+log = structlog.get_logger("marlaas.telemetry")
+
+
+def span_subject(job: str) -> str:
+    return f"marlaas.span.{job}"
+
+
+@contextlib.asynccontextmanager
+async def span(bus: Bus, service: str, phase: str, job: str, version: int, **attrs):
+    """Time the body and publish a :class:`Span`; ``attrs`` (a dict) may be filled in by the body."""
+    start = time.time()
+    extra: dict = dict(attrs)
+    yield extra
+    record = Span(job=job, service=service, phase=phase, version=version, start=start,
+                  end=time.time(), attrs=extra)
+    try:
+        await bus.publish(span_subject(job), encode(record))
+    except Exception as exc:  # telemetry never fails the work it measures
+        log.warning("span not recorded", job=job, phase=phase, error=repr(exc))
+
+
+async def read_spans(bus: Bus, job: str = ">") -> list[Span]:
+    """Every span recorded so far (for one job, or all), oldest first."""
+    from marlaas.events import METRIC
+
+    info = await bus.js.stream_info("METRICS")
+    if info.state.messages == 0:
+        return []
+    sub = await bus.js.pull_subscribe(span_subject(job), stream="METRICS")
+    spans: list[Span] = []
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(512, timeout=0.5)
+            except Exception:  # nats' TimeoutError: nothing more
+                break
+            for msg in msgs:
+                spans.append(METRIC.decode(msg.data))
+                await msg.ack()
+    finally:
+        await sub.unsubscribe()
+    return spans

@@ -1,0 +1,33 @@
+"""Reward computation: score a batch of completions with their task's verifier (pure core)."""
+
+from __future__ import annotations
+
+import math
+
+from marlaas.events import RewardRequest, RewardResult
+from marlaas.tasks import Task, TaskError, get_task
+
+
+class RewardBook:
+    """Builds each (task, dataset) once and scores requests against it."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[tuple[str, str | None], Task] = {}
+
+    def task(self, name: str, dataset: str | None) -> Task:
+        key = (name, dataset)
+        if key not in self._tasks:
+            self._tasks[key] = get_task(name, dataset)
+        return self._tasks[key]
+
+    def score(self, request: RewardRequest) -> RewardResult:
+        """Rewards in [0, 1] for every item, or an error naming what went wrong."""
+        try:
+            task = self.task(request.task, request.dataset or None)
+            rewards = [float(task.reward(item.problem, item.completion)) for item in request.items]
+        except (TaskError, KeyError, TypeError, ValueError) as exc:
+            return RewardResult(error=f"task {request.task!r} could not score job {request.job}: {exc}")
+        bad = [r for r in rewards if not (math.isfinite(r) and 0.0 <= r <= 1.0)]
+        if bad:
+            return RewardResult(error=f"task {request.task!r} returned rewards outside [0, 1]: {bad[:3]}")
+        return RewardResult(rewards=rewards)

@@ -1,0 +1,248 @@
+"""Manager: the user API, the job registry (KV ``jobs``), admission, lifecycle and metrics.
+
+It is the only writer of job records. It creates version 0 of an admitted job
+(a seeded LoRA init, committed like any other version), follows policy-committed
+announcements to record each job's version, rewards, TTFS and TPTS, and turns
+failure reports and cancellations into final states, admitting queued jobs as
+room frees up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from collections.abc import Callable
+
+import msgspec
+import structlog
+
+from marlaas import api
+from marlaas.adapters import init_adapter, write_adapter
+from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery, StaleRevision
+from marlaas.commits import announce
+from marlaas.config import Config
+from marlaas.events import (
+    COMMITTED, JOB, JOB_RECORD, POLICY, CommittedVersion, JobFailureReported, JobRecord, JobSpec,
+    JobState, JobStateChanged, JobSubmitted, encode,
+)
+from marlaas.runtime import Runtime
+from marlaas.store import ObjectStore
+from marlaas.tasks import TaskError, get_task
+from services.manager.admission import job_footprint, kv_bytes_per_token, to_admit
+
+log = structlog.get_logger("manager")
+_SLUG = re.compile(r"[^a-z0-9]+")
+_TENANT = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
+
+
+class Manager:
+    """Job registry and lifecycle; every record change is a compare-and-set on the ``jobs`` KV."""
+
+    def __init__(self, bus: Bus, store: ObjectStore, config: Config) -> None:
+        self.bus, self.store, self.config = bus, store, config
+        self.model_dir = config.base_model_dir
+        self.bytes_per_token = kv_bytes_per_token(self.model_dir, config.rollout.dtype)
+        self.budget_bytes = int(config.manager.kv_budget_gib * 2**30)
+        self._admission = asyncio.Lock()
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+
+    # --- submission ---------------------------------------------------------------------------
+
+    def validate(self, request: api.SubmitRequest) -> JobRecord:
+        """A queued job record from a submission, or :class:`api.SubmitError` saying what to fix."""
+        g, lora, rc = request.grpo, request.lora, self.config.rollout
+        problems = [
+            (not request.name.strip() or len(request.name) > 64, "name must be 1-64 characters"),
+            (not _TENANT.match(request.tenant), "tenant must be lowercase letters, digits and '-'"),
+            (not 1 <= request.steps <= 100_000, "steps must be between 1 and 100000"),
+            (g.prompts_per_step < 1, "grpo.prompts_per_step must be at least 1"),
+            (g.group_size < 2, "grpo.group_size must be at least 2 (GRPO compares samples in a group)"),
+            (not g.temperature > 0, "grpo.temperature must be > 0"),
+            (not 0 < g.learning_rate < 1, "grpo.learning_rate must be in (0, 1)"),
+            (not 0 < g.clip_eps < 1, "grpo.clip_eps must be in (0, 1)"),
+            (g.kl_coef < 0, "grpo.kl_coef must be >= 0"),
+            (not 1 <= lora.rank <= rc.max_lora_rank,
+             f"lora.rank must be between 1 and {rc.max_lora_rank} (rollout.max_lora_rank)"),
+            (not lora.target_modules, "lora.target_modules must name at least one module"),
+        ]
+        errors = [message for bad, message in problems if bad]
+        if errors:
+            raise api.SubmitError("; ".join(errors))
+        try:
+            task = get_task(request.task, request.dataset)
+        except TaskError as exc:
+            raise api.SubmitError(str(exc)) from exc
+        prompt_tokens = max(len(self.tokenizer.encode(p["prompt"], add_special_tokens=False))
+                            for p in task.problems(16, request.seed))
+        if prompt_tokens + g.max_new_tokens > rc.max_model_len:
+            raise api.SubmitError(
+                f"prompt ({prompt_tokens} tokens) + grpo.max_new_tokens ({g.max_new_tokens}) exceeds "
+                f"rollout.max_model_len ({rc.max_model_len}); lower max_new_tokens"
+            )
+        footprint = job_footprint(g.prompts_per_step, g.group_size, prompt_tokens, g.max_new_tokens,
+                                  self.bytes_per_token)
+        if footprint > self.budget_bytes:
+            raise api.SubmitError(
+                f"the job's rollout needs ~{footprint / 2**20:.1f} MiB of KV cache, more than the "
+                f"whole budget ({self.budget_bytes / 2**20:.1f} MiB, manager.kv_budget_gib): lower "
+                "grpo.prompts_per_step, grpo.group_size or grpo.max_new_tokens"
+            )
+        slug = _SLUG.sub("-", request.name.lower()).strip("-")[:40] or "job"
+        spec = JobSpec(id=f"{request.tenant}.{slug}-{uuid.uuid4().hex[:6]}", tenant=request.tenant,
+                       name=request.name, task=request.task, steps=request.steps, seed=request.seed,
+                       dataset=request.dataset, grpo=g, lora=lora, submitted_at=time.time())
+        return JobRecord(spec=spec, kv_cache_bytes=footprint)
+
+    async def submit(self, data: bytes) -> api.SubmitReply:
+        try:
+            request = api.parse_submission(msgspec.json.decode(data))
+            record = self.validate(request)
+        except (api.SubmitError, msgspec.DecodeError) as exc:
+            return api.SubmitReply(error=str(exc))
+        spec = record.spec
+        await self.bus.kv_create(JOBS_BUCKET, spec.id, encode(record))
+        await self.bus.publish(f"marlaas.job.submitted.{spec.id}", encode(JobSubmitted(spec=spec)))
+        log.info("job submitted", job=spec.id, task=spec.task, steps=spec.steps)
+        await self.admit_queued()
+        return api.SubmitReply(id=spec.id)
+
+    # --- admission and version 0 --------------------------------------------------------------
+
+    async def admit_queued(self) -> None:
+        async with self._admission:
+            records = await self.records()
+            for job in to_admit(records, self.budget_bytes, self.config.manager.schedule):
+                await self.admit(next(r for r in records if r.spec.id == job).spec)
+
+    async def admit(self, spec: JobSpec) -> None:
+        """Commit version 0 (seeded LoRA init), then mark the job running."""
+        if await self.bus.kv_get(VERSIONS_BUCKET, spec.id) is None:
+            config_json, weights = await asyncio.to_thread(init_adapter, self.model_dir, spec.lora, spec.seed)
+            adapter = await asyncio.to_thread(write_adapter, self.store, spec.id, 0, config_json, weights)
+            v0 = CommittedVersion(job=spec.id, version=0, adapter=adapter, committed_at=time.time())
+            try:
+                await self.bus.kv_create(VERSIONS_BUCKET, spec.id, encode(v0))
+            except StaleRevision:
+                pass  # a previous manager run committed v0 already
+        committed = COMMITTED.decode((await self.bus.kv_get(VERSIONS_BUCKET, spec.id)).value)
+        await self.transition(spec.id, JobState.RUNNING, admitted_at=time.time())
+        await announce(self.bus, committed)
+        log.info("job admitted", job=spec.id)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def records(self) -> list[JobRecord]:
+        out = []
+        for key in await self.bus.kv_keys(JOBS_BUCKET):
+            entry = await self.bus.kv_get(JOBS_BUCKET, key)
+            if entry is not None:
+                out.append(JOB_RECORD.decode(entry.value))
+        return out
+
+    async def update(self, job: str, change: Callable[[JobRecord], JobRecord | None]) -> JobRecord | None:
+        """Apply ``change`` by compare-and-set, retrying on conflict; None from it means no change."""
+        while True:
+            entry = await self.bus.kv_get(JOBS_BUCKET, job)
+            if entry is None:
+                return None
+            new = change(JOB_RECORD.decode(entry.value))
+            if new is None:
+                return None
+            try:
+                await self.bus.kv_update(JOBS_BUCKET, job, encode(new), entry.revision)
+                return new
+            except StaleRevision:
+                continue
+
+    async def transition(self, job: str, state: JobState, reason: str = "", **fields) -> bool:
+        """Move a job to ``state`` unless it is already finished; publish the change."""
+
+        def change(r: JobRecord) -> JobRecord | None:
+            if r.state.finished or r.state is state:
+                return None
+            done = {"finished_at": time.time()} if state.finished else {}
+            return msgspec.structs.replace(r, state=state, reason=reason, **fields, **done)
+
+        if await self.update(job, change) is None:
+            return False
+        await self.bus.publish(f"marlaas.job.state.{job}",
+                               encode(JobStateChanged(job=job, state=state, reason=reason, at=time.time())))
+        log.info("job state", job=job, state=state.value, reason=reason)
+        if state.finished:
+            await self.admit_queued()
+        return True
+
+    async def on_policy(self, delivery: Delivery) -> None:
+        event = POLICY.decode(delivery.data)
+
+        def change(r: JobRecord) -> JobRecord | None:
+            if event.version <= r.version:
+                return None  # a repeat announcement
+            rewards = list(r.rewards)
+            if event.version >= 1 and "reward/mean" in event.metrics:
+                rewards.append(event.metrics["reward/mean"])
+            first = r.first_commit_at or (event.committed_at if event.version == 1 else 0.0)
+            return msgspec.structs.replace(r, version=event.version, rewards=rewards,
+                                           first_commit_at=first, last_commit_at=event.committed_at)
+
+        record = await self.update(event.job, change)
+        if record is not None and record.version >= record.spec.steps:
+            await self.transition(event.job, JobState.COMPLETED)
+
+    async def on_job_event(self, delivery: Delivery) -> None:
+        event = JOB.decode(delivery.data)
+        if isinstance(event, JobFailureReported):
+            await self.transition(event.job, JobState.FAILED, f"{event.service}: {event.reason}")
+
+    # --- API ----------------------------------------------------------------------------------
+
+    async def status(self, data: bytes) -> api.StatusReply:
+        request = msgspec.json.decode(data or b"{}", type=api.StatusRequest)
+        records = [r for r in await self.records()
+                   if (not request.job or r.spec.id == request.job)
+                   and (not request.tenant or r.spec.tenant == request.tenant)]
+        if request.job and not records:
+            return api.StatusReply(error=f"no job {request.job!r}; `marlaas status` lists your jobs")
+        records.sort(key=lambda r: r.spec.submitted_at)
+        return api.StatusReply(jobs=[api.job_view(r) for r in records])
+
+    async def cancel(self, data: bytes) -> api.CancelReply:
+        request = msgspec.json.decode(data, type=api.CancelRequest)
+        entry = await self.bus.kv_get(JOBS_BUCKET, request.job)
+        record = JOB_RECORD.decode(entry.value) if entry else None
+        if record is None or (request.tenant and record.spec.tenant != request.tenant):
+            return api.CancelReply(error=f"no job {request.job!r}; `marlaas status` lists your jobs")
+        if record.state.finished:
+            return api.CancelReply(id=request.job, state=record.state.value,
+                                   error=f"job {request.job} already {record.state.value}")
+        await self.transition(request.job, JobState.CANCELLED, "cancelled by user")
+        return api.CancelReply(id=request.job, state=JobState.CANCELLED.value)
+
+
+def _reply(handler):
+    async def answer(data: bytes) -> bytes:
+        try:
+            return encode(await handler(data))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return msgspec.json.encode({"error": f"malformed request: {exc}"})
+    return answer
+
+
+async def run(rt: Runtime) -> None:
+    manager = await asyncio.to_thread(Manager, rt.bus, rt.store, rt.config)
+    await rt.bus.serve(api.SUBMIT, "manager", _reply(manager.submit))
+    await rt.bus.serve(api.STATUS, "manager", _reply(manager.status))
+    await rt.bus.serve(api.CANCEL, "manager", _reply(manager.cancel))
+    await manager.admit_queued()  # a restart picks up where the last run left off
+    rt.ready()
+    log.info("ready", schedule=rt.config.manager.schedule,
+             kv_budget_mib=round(manager.budget_bytes / 2**20, 1))
+    await asyncio.gather(
+        rt.bus.consume("POLICY", "manager", "marlaas.policy.committed.>", manager.on_policy, stop=rt.stop),
+        rt.bus.consume("JOBS", "manager-failures", "marlaas.job.failure.>", manager.on_job_event,
+                       stop=rt.stop),
+    )

@@ -1,0 +1,144 @@
+"""Rollout shell: on policy-committed(v) sample the job's next GRPO batch with version v only.
+
+Each announcement is handled as its own task (up to ``rollout.concurrency`` jobs at
+once), so every job's requests sit in the one engine together and one job's slow
+rollout or reward never blocks another's. The message is acked only after the
+trajectory batch is published (deduplicated by ``Nats-Msg-Id = <job>:<v>``), so a
+rollout crash re-samples the batch rather than stalling the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+
+import structlog
+
+from marlaas.adapters import attempt_prefix, materialize
+from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery, PoisonMessage
+from marlaas.events import (
+    COMMITTED, JOB_RECORD, POLICY, REWARD, JobFailureReported, JobSpec, PolicyCommitted, RewardItem, RewardRequest,
+    Sample, TrajectoryBatch, TrajectoryReady, encode,
+)
+from marlaas.runtime import Runtime
+from marlaas.tasks import Task, get_task
+from marlaas.telemetry import span
+from services.rollout.engine import Completion, PolicyEngine
+
+log = structlog.get_logger("rollout")
+SERVICE = "rollout"
+INLINE_BATCH_LIMIT = 256 * 1024  # bigger batches travel through the object store
+
+
+def batch_seed(spec: JobSpec, version: int) -> int:
+    """Problems and sampling of (job, version) are reproducible from the job's seed."""
+    return zlib.crc32(f"{spec.id}:{spec.seed}:{version}".encode()) & 0x7FFFFFFF
+
+
+def build_samples(problems: list[dict], prompt_ids: list[list[int]],
+                  groups: list[list[Completion]], rewards: list[float]) -> list[Sample]:
+    """Flatten GRPO groups into samples; ``rewards`` is in the same flattened order."""
+    samples, k = [], 0
+    for g, (problem, ids, completions) in enumerate(zip(problems, prompt_ids, groups)):
+        for c in completions:
+            samples.append(Sample(group=g, prompt_ids=ids, completion_ids=c.token_ids,
+                                  logprobs=c.logprobs, loss_mask=[1] * len(c.token_ids),
+                                  reward=rewards[k], text=c.text))
+            k += 1
+    return samples
+
+
+class Rollout:
+    """Turns policy announcements into trajectory batches."""
+
+    def __init__(self, rt: Runtime, engine: PolicyEngine) -> None:
+        self.bus: Bus = rt.bus
+        self.store = rt.store
+        self.engine = engine
+        self.cache_dir = rt.config.home_dir / "cache" / "adapters"
+        self.tasks: dict[str, Task] = {}
+
+    def task_of(self, spec: JobSpec) -> Task:
+        if spec.id not in self.tasks:
+            self.tasks[spec.id] = get_task(spec.task, spec.dataset)
+        return self.tasks[spec.id]
+
+    async def handle(self, delivery: Delivery) -> None:
+        event: PolicyCommitted = POLICY.decode(delivery.data)
+        job, version = event.job, event.version
+        record_entry = await self.bus.kv_get(JOBS_BUCKET, job)
+        committed_entry = await self.bus.kv_get(VERSIONS_BUCKET, job)
+        if record_entry is None or committed_entry is None:
+            raise PoisonMessage(f"policy-committed for unknown job {job}")
+        record = JOB_RECORD.decode(record_entry.value)
+        spec = record.spec
+        if record.state.finished or version >= spec.steps:
+            self.tasks.pop(job, None)
+            return await self.engine.drop_job(job)
+        if COMMITTED.decode(committed_entry.value).version != version:
+            return  # an old announcement (redelivered): a newer version already exists
+        async with delivery.keep_alive():
+            try:
+                batch = await self.sample_batch(spec, event)
+            except PoisonMessage as exc:  # the job's own fault (its task, its data): fail the job only
+                await self.bus.publish(f"marlaas.job.failure.{job}", encode(JobFailureReported(
+                    job=job, service=SERVICE, reason=str(exc), version=version)))
+                raise
+            await self.publish(spec, version, batch)
+
+    async def sample_batch(self, spec: JobSpec, event: PolicyCommitted) -> TrajectoryBatch:
+        task, grpo, version = self.task_of(spec), spec.grpo, event.version
+        adapter_dir = await asyncio.to_thread(
+            materialize, self.store, event.adapter, self.cache_dir / spec.id / f"v{version:06d}"
+        )
+        lora = await self.engine.use_adapter(spec.id, version, adapter_dir)
+        seed = batch_seed(spec, version)
+        problems = task.problems(grpo.prompts_per_step, seed)
+        prompt_ids = [self.engine.encode_prompt(p["prompt"]) for p in problems]
+        async with span(self.bus, SERVICE, "generate", spec.id, version) as attrs:
+            groups = await self.engine.sample_many(
+                prompt_ids, grpo.group_size, grpo.max_new_tokens, grpo.temperature, lora, seed
+            )
+            attrs["completions"] = sum(len(g) for g in groups)
+            attrs["tokens"] = sum(len(c.token_ids) for g in groups for c in g)
+        async with span(self.bus, SERVICE, "reward", spec.id, version):
+            rewards = await self.rewards(spec, problems, groups)
+        return TrajectoryBatch(samples=build_samples(problems, prompt_ids, groups, rewards))
+
+    async def rewards(self, spec: JobSpec, problems: list[dict], groups: list[list[Completion]]) -> list[float]:
+        items = [RewardItem(problem=p, completion=c.text) for p, g in zip(problems, groups) for c in g]
+        request = RewardRequest(job=spec.id, task=spec.task, items=items, dataset=spec.dataset or "")
+        reply = REWARD.decode(await self.bus.request(f"marlaas.reward.{spec.task}", encode(request), 60.0))
+        if reply.error:
+            raise PoisonMessage(reply.error)
+        if len(reply.rewards) != len(items):
+            raise PoisonMessage(f"env returned {len(reply.rewards)} rewards for {len(items)} completions")
+        return reply.rewards
+
+    async def publish(self, spec: JobSpec, version: int, batch: TrajectoryBatch) -> None:
+        batch_id = f"{spec.id}:v{version}"
+        event = TrajectoryReady(job=spec.id, version=version, batch_id=batch_id, batch=batch,
+                                sampled_at=time.time())
+        data = encode(event)
+        if len(data) > INLINE_BATCH_LIMIT:  # by reference: written fully before it is announced
+            ref = await asyncio.to_thread(
+                self.store.put_bytes, attempt_prefix("trajectories", spec.id, version) + "/batch.json",
+                encode(batch),
+            )
+            data = encode(TrajectoryReady(job=spec.id, version=version, batch_id=batch_id,
+                                          batch_ref=ref, sampled_at=event.sampled_at))
+        await self.bus.publish(f"marlaas.trajectory.ready.{spec.id}", data, msg_id=batch_id)
+
+
+async def run(rt: Runtime) -> None:
+    """Start the engine (tens of seconds on CPU), then serve announcements until stopped."""
+    engine = PolicyEngine(rt.config)
+    rollout = Rollout(rt, engine)
+    rt.ready()
+    log.info("ready", base_model=str(rt.config.base_model_dir))
+    try:
+        await rt.bus.consume("POLICY", "rollout", "marlaas.policy.committed.>", rollout.handle,
+                             stop=rt.stop, ack_wait_s=60.0, concurrency=rt.config.rollout.concurrency)
+    finally:
+        engine.shutdown()

@@ -1,0 +1,137 @@
+"""Trainer shell: take trajectory batches from the TRAJ work queue (FIFO), one update at a time.
+
+For each batch: check it against the job's committed version (strict on-policy:
+a batch of any other version is terminated, never trained), train, write adapter
+and optimizer state under fresh immutable keys, compare-and-set the ``versions``
+entry from v to v+1, then announce policy-committed(v+1) with ``Nats-Msg-Id =
+<job>:<v+1>``. Ack comes last. A crash anywhere leaves v or v+1 committed; on
+start the trainer re-announces every committed version (deduplicated by NATS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from marlaas.adapters import CONFIG_FILE, attempt_prefix, write_adapter
+from marlaas.commits import announce
+from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery, StaleRevision
+from marlaas.events import (
+    BATCH, COMMITTED, JOB_RECORD, TRAJECTORY, CommittedVersion, JobFailureReported,
+    TrajectoryBatch, TrajectoryReady, encode,
+)
+from marlaas.runtime import Runtime
+from marlaas.store import ObjectStore
+from marlaas.telemetry import span
+from services.trainer.policy import NonFiniteUpdate, PolicyTrainer
+
+log = structlog.get_logger("trainer")
+SERVICE = "trainer"
+
+
+class Trainer:
+    """Applies GRPO updates for whichever job's batch is next in the FIFO."""
+
+    def __init__(self, bus: Bus, store: ObjectStore, policy: PolicyTrainer) -> None:
+        self.bus, self.store, self.policy = bus, store, policy
+        self.metrics: dict[tuple[str, int], dict[str, float]] = {}  # for re-announcing
+
+    async def reannounce_committed(self) -> None:
+        """Crash recovery: announce every committed version (NATS dedups the ones already out)."""
+        for job in await self.bus.kv_keys(VERSIONS_BUCKET):
+            entry = await self.bus.kv_get(VERSIONS_BUCKET, job)
+            if entry is not None:
+                if await announce(self.bus, COMMITTED.decode(entry.value)):
+                    log.warning("re-announced a version committed before a crash", job=job)
+
+    async def handle(self, delivery: Delivery) -> None:
+        event: TrajectoryReady = TRAJECTORY.decode(delivery.data)
+        job, version = event.job, event.version
+        record_entry = await self.bus.kv_get(JOBS_BUCKET, job)
+        entry = await self.bus.kv_get(VERSIONS_BUCKET, job)
+        if record_entry is None or entry is None:
+            log.error("batch for an unknown job; terminated", job=job, batch_id=event.batch_id)
+            return await delivery.term()
+        record = JOB_RECORD.decode(record_entry.value)
+        committed = COMMITTED.decode(entry.value)
+        if record.state.finished:
+            log.info("batch of a finished job; dropped", job=job, state=record.state.value)
+            return await delivery.term()
+        if event.version != committed.version:
+            if committed.version == version + 1 and committed.batch_id == event.batch_id:
+                await announce(self.bus, committed)  # committed, but the announcement was lost
+                return await delivery.ack()
+            log.warning("off-policy batch terminated", job=job, batch_version=version,
+                        committed_version=committed.version, batch_id=event.batch_id)
+            return await delivery.term()
+
+        batch = event.batch if event.batch is not None else BATCH.decode(self.store.fetch(event.batch_ref))
+        spec = record.spec
+        async with span(self.bus, SERVICE, "train", job, version, batch_id=event.batch_id,
+                        batch_version=version, committed_version=committed.version) as attrs:
+            async with delivery.keep_alive():
+                try:
+                    result = await asyncio.to_thread(self._train, committed, batch, spec)
+                except NonFiniteUpdate as exc:
+                    self.policy.evict(job)
+                    await self._fail(job, version, f"non-finite update, not committed: {exc}")
+                    return await delivery.term()
+            attrs.update({k: v for k, v in result.metrics.items()})
+        log.info("trained", job=job, version=version, batch_id=event.batch_id,
+                 reward=round(result.metrics["reward/mean"], 4), loss=round(result.metrics["loss"], 4))
+
+        async with span(self.bus, SERVICE, "commit", job, version + 1):
+            new = await asyncio.to_thread(self._write, committed, result, event.batch_id)
+            try:
+                await self.bus.kv_update(VERSIONS_BUCKET, job, encode(new), entry.revision)
+            except StaleRevision:
+                self.policy.evict(job)  # someone else committed v+1: our result is an orphan
+                log.warning("lost the commit race; batch terminated", job=job, version=version + 1)
+                return await delivery.term()
+            await announce(self.bus, new)
+        await delivery.ack()
+
+    def _train(self, committed: CommittedVersion, batch: TrajectoryBatch, spec):
+        """Load the job if it is cold (or at another version), then one GRPO step."""
+        if self.policy.hot_version(committed.job) != committed.version:
+            weights = self.store.fetch(committed.adapter)
+            config_key = self.store.key_of(committed.adapter.uri).rsplit("/", 1)[0] + "/" + CONFIG_FILE
+            optimizer = self.store.fetch(committed.optimizer) if committed.optimizer else None
+            self.policy.load(committed.job, committed.version, self.store.get_bytes(config_key),
+                             weights, optimizer, spec.grpo)
+        return self.policy.train_step(committed.job, batch, spec.grpo)
+
+    def _write(self, committed: CommittedVersion, result, batch_id: str) -> CommittedVersion:
+        version = committed.version + 1
+        adapter = write_adapter(self.store, committed.job, version, result.config_json, result.weights)
+        optimizer = self.store.put_bytes(
+            attempt_prefix("optimizer", committed.job, version) + "/adamw.pt", result.optimizer_state
+        )
+        return CommittedVersion(job=committed.job, version=version, adapter=adapter,
+                                optimizer=optimizer, batch_id=batch_id, metrics=result.metrics,
+                                committed_at=time.time())
+
+    async def _fail(self, job: str, version: int, reason: str) -> None:
+        log.error("job failed", job=job, version=version, reason=reason)
+        event = JobFailureReported(job=job, service=SERVICE, reason=reason, version=version)
+        await self.bus.publish(f"marlaas.job.failure.{job}", encode(event))
+
+
+async def run(rt: Runtime) -> None:
+    """Load the base model once, re-announce committed versions, then train until stopped."""
+    cfg = rt.config
+    if cfg.trainer.torch_threads:
+        import torch
+
+        torch.set_num_threads(cfg.trainer.torch_threads)
+    policy = await asyncio.to_thread(
+        PolicyTrainer, cfg.base_model_dir, cfg.trainer.device, cfg.trainer.hot_adapters
+    )
+    trainer = Trainer(rt.bus, rt.store, policy)
+    await trainer.reannounce_committed()
+    rt.ready()
+    log.info("ready", device=cfg.trainer.device, base_model=str(cfg.base_model_dir))
+    await rt.bus.consume("TRAJ", "trainer", "marlaas.trajectory.ready.>", trainer.handle,
+                         stop=rt.stop, ack_wait_s=60.0, concurrency=1)

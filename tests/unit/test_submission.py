@@ -1,0 +1,45 @@
+"""Job submissions from TOML files and CLI flags: unknown keys and bad types fail loudly."""
+
+import argparse
+
+import pytest
+
+from marlaas.api import SubmitError, parse_submission
+from marlaas.cli import build_parser, submission_from_args
+
+
+def test_submission_defaults_and_overrides():
+    job = parse_submission({"name": "a", "task": "addition", "steps": 3, "grpo": {"group_size": 4}})
+    assert job.grpo.group_size == 4 and job.grpo.prompts_per_step == 8 and job.lora.rank == 8
+
+
+@pytest.mark.parametrize("tree, message", [
+    ({"name": "a", "task": "addition", "steps": 3, "stpes": 4}, "unknown field 'stpes'"),
+    ({"name": "a", "task": "addition", "steps": 3, "lora": {"rnk": 4}}, "unknown field 'lora.rnk'"),
+    ({"name": "a", "task": "addition", "steps": "many"}, "steps"),
+    ({"name": "a", "steps": 3}, "task"),
+])
+def test_bad_submissions_name_the_field(tree, message):
+    with pytest.raises(SubmitError, match=message):
+        parse_submission(tree)
+
+
+def test_cli_merges_job_file_flags_and_set(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('name = "mine"\ntask = "reverse"\nsteps = 5\n[grpo]\ngroup_size = 4\n')
+    args = build_parser().parse_args(
+        ["submit", str(path), "--steps", "7", "--set", "grpo.learning_rate=0.01", "--set", "lora.rank=4"])
+    job = submission_from_args(args)
+    assert job == {"name": "mine", "task": "reverse", "steps": 7,
+                   "grpo": {"group_size": 4, "learning_rate": 0.01}, "lora": {"rank": 4}}
+    parse_submission(job)
+
+
+def test_cli_submission_errors(tmp_path):
+    parser = build_parser()
+    with pytest.raises(ValueError, match="missing task and steps"):
+        submission_from_args(parser.parse_args(["submit"]))
+    with pytest.raises(ValueError, match="does not exist"):
+        submission_from_args(parser.parse_args(["submit", str(tmp_path / "nope.toml")]))
+    with pytest.raises(ValueError, match="SECTION.FIELD=VALUE"):
+        submission_from_args(parser.parse_args(["submit", "--task", "addition", "--steps", "1", "--set", "x"]))
