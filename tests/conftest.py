@@ -1,4 +1,4 @@
-"""Shared fixtures: a real nats-server, a connected bus, a real S3-compatible server, a file store."""
+"""Shared fixtures: a real nats-server, a connected bus, an S3-compatible server, a file store."""
 
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ class RolloutConfig(Section):
     max_model_len: int = 512
     dtype: str = "float32"
     concurrency: int = 16  # jobs sampled at once by one replica
+    cpu_threads_bind: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND: cores the CPU engine's threads use
 
 
 class TrainerConfig(Section):

@@ -35,6 +35,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _read_from(path: Path, offset: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read()
+
+
 class EmbeddedNats:
     """A nats-server child process with JetStream under ``data_dir``; restartable on the same port."""
 
@@ -60,25 +66,30 @@ class EmbeddedNats:
 
     def start(self, timeout_s: float = 15.0) -> EmbeddedNats:
         conf = self._write_config()
-        logfile = open(self.data_dir / "nats-server.log", "ab")
-        self.proc = subprocess.Popen(
-            [find_server_binary(), "-c", str(conf)], stdout=logfile, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        log_path = self.data_dir / "nats-server.log"
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        with open(log_path, "ab") as logfile:  # the child holds its own handle
+            self.proc = subprocess.Popen(
+                [find_server_binary(), "-c", str(conf)], stdout=logfile, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            # Wait for *this* process to say it is ready: probing the port could reach another
+            # process that took it between free_port() and the bind, while this one failed.
+            exited = self.proc.poll() is not None
+            logged = _read_from(log_path, offset)  # read after the poll: an exit's last words
+            if exited:
+                last = logged.strip().splitlines()[-1:] or [b"no output"]
                 raise RuntimeError(
-                    f"nats-server exited with code {self.proc.returncode}; "
-                    f"see {self.data_dir / 'nats-server.log'}"
+                    f"nats-server exited with code {self.proc.returncode} "
+                    f"({last[0].decode(errors='replace')}); see {log_path}"
                 )
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return self
-            except OSError:
-                time.sleep(0.05)
+            if b"Server is ready" in logged:
+                return self
+            time.sleep(0.05)
         self.stop()
-        raise TimeoutError(f"nats-server did not listen on port {self.port} within {timeout_s}s")
+        raise TimeoutError(f"nats-server was not ready on port {self.port} within {timeout_s}s")
 
     def stop(self, kill: bool = False) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -34,6 +34,7 @@ class PolicyEngine:
     def __init__(self, config: Config) -> None:
         # vLLM reads these at import / engine start: set them before importing it
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.rollout.kv_cache_gib))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", config.rollout.cpu_threads_bind)
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs

@@ -1,4 +1,4 @@
-"""The bus against a real nats-server: dedup, redelivery, ack/nak/term, KV CAS, restarts, request/reply."""
+"""The bus against a real nats-server: dedup, redelivery, ack/nak/term, KV CAS, restart, RPC."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from marlaas.bus import Bus, Delivery, KvEntry, PoisonMessage, StaleRevision
+from marlaas.embedded_nats import EmbeddedNats
 from marlaas.events import JOB
 
 pytestmark = pytest.mark.timeout(60)
@@ -21,7 +22,7 @@ TRAJ_SUBJECT = "marlaas.trajectory.ready.acme.j1"
 JOB_SUBJECT = "marlaas.job.state.acme.j1"
 
 
-async def eventually(predicate: Callable[[], object], timeout_s: float = 5.0, what: str = "") -> None:
+async def eventually(predicate: Callable[[], object], timeout_s: float = 5.0, what: str = ""):
     """Poll ``predicate`` (sync or async) until it is truthy."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -106,7 +107,7 @@ async def test_message_of_a_consumer_that_dies_unacked_is_redelivered_to_another
     await worker.nc.close()  # dies without acking
 
     seen: list[tuple[bytes, int]] = []
-    async with consuming(bus, "TRAJ", "trainer", TRAJ_SUBJECT, recorder(seen), ack_wait_s=1.0):
+    async with consuming(bus, "TRAJ", "trainer", TRAJ_SUBJECT, recorder(seen)):
         await eventually(lambda: seen, what="redelivery")
         await eventually(lambda: stream_holds(bus, "TRAJ", 0), what="the redelivery acked")
     assert seen == [(b"batch-1", 2)]  # the second delivery, to the surviving consumer
@@ -119,7 +120,8 @@ async def test_termed_message_is_not_redelivered(bus, outcome):
     async def on_advisory(msg) -> None:
         terminated.append(json.loads(msg.data))
 
-    await bus.nc.subscribe("$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.JOBS.watcher", cb=on_advisory)
+    advisories = "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.JOBS.watcher"
+    await bus.nc.subscribe(advisories, cb=on_advisory)
     await bus.publish(JOB_SUBJECT, b"not an event")
     calls: list[int] = []
 
@@ -241,10 +243,14 @@ async def test_consume_loop_survives_server_restart_without_losing_acked_message
                 for i in range(n)}
     assert set(handled) == expected
     assert max(handled.values()) == 1  # nothing acked before the restart came back
-    deliveries = dict(seen)
-    assert all(deliveries[f"unacked-{i}".encode()] == 2 for i in range(2)), [
-        (d, n) for d, n in seen if d.startswith(b"unacked")]
     assert all(n == 1 for data, n in seen if not data.startswith(b"unacked"))
+    unacked = sorted(n for data, n in seen if data.startswith(b"unacked"))
+    if crash:
+        # A killed server restores the consumer's delivery counts as last flushed, which can
+        # predate the worker's fetch: the message still comes back, maybe as a first delivery.
+        assert set(unacked) <= {1, 2}
+    else:
+        assert unacked == [2, 2]
 
 
 # --- request / reply -----------------------------------------------------------------------
@@ -261,18 +267,20 @@ async def test_queue_group_answers_each_request_once(bus, nats_server):
 
         return answer
 
-    await bus.serve("marlaas.reward.toy", "env", env_replica("env-1"))
-    await other.serve("marlaas.reward.toy", "env", env_replica("env-2"))
-    await other.nc.flush()
+    try:
+        await bus.serve("marlaas.reward.toy", "env", env_replica("env-1"))
+        await other.serve("marlaas.reward.toy", "env", env_replica("env-2"))
+        await other.nc.flush()
 
-    replies = await asyncio.gather(
-        *(bus.request("marlaas.reward.toy", f"r{i}".encode(), timeout_s=2) for i in range(40))
-    )
-    await asyncio.sleep(0.2)  # a second answer to any request would have been counted by now
+        replies = await asyncio.gather(
+            *(bus.request("marlaas.reward.toy", f"r{i}".encode(), timeout_s=2) for i in range(40))
+        )
+        await asyncio.sleep(0.2)  # a second answer to any request would have been counted by now
+    finally:
+        await other.close()
     assert [r.split(b" ")[0] for r in replies] == [f"r{i}".encode() for i in range(40)]
     assert sum(calls.values()) == 40
     assert set(calls) == {"env-1", "env-2"}  # both replicas share the load
-    await other.close()
 
 
 async def test_request_nobody_serves_raises_timeout_error(bus):
@@ -288,3 +296,11 @@ async def test_request_answered_too_late_raises_timeout_error(bus):
     await bus.serve("marlaas.tool.acme.slow", "tools", slow)
     with pytest.raises(TimeoutError, match=r"no reply on 'marlaas.tool.acme.slow' within 0.2s"):
         await bus.request("marlaas.tool.acme.slow", b"{}", timeout_s=0.2)
+
+
+# --- the embedded server the tests stand on -----------------------------------------------
+
+
+def test_embedded_server_on_a_taken_port_fails_clearly(nats_server, tmp_path):
+    with pytest.raises(RuntimeError, match="address already in use"):
+        EmbeddedNats(tmp_path / "second", port=nats_server.port).start()

@@ -72,7 +72,8 @@ def test_identical_put_is_a_noop(store):
 
 def test_different_bytes_to_an_existing_key_fail_clearly(store):
     store.put_bytes(ADAPTER_KEY, b"weights v1")
-    with pytest.raises(ImmutableKeyError, match="already holds different bytes.* new version") as info:
+    clear = "already holds different bytes.* new version"
+    with pytest.raises(ImmutableKeyError, match=clear) as info:
         store.put_bytes(ADAPTER_KEY, b"weights v1, retrained")
     assert store.uri(ADAPTER_KEY) in str(info.value)
     assert store.get_bytes(ADAPTER_KEY) == b"weights v1"

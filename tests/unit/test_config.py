@@ -34,7 +34,7 @@ def test_file_then_env_then_overrides(tmp_path):
         schedule = "sync"
         [rollout]
         max_loras = 4
-        kv_cache_gib = 2.5
+        kv_cache_gib = 2
     """)
     env = {"MARLAAS_NATS_URL": "nats://from-env:4222", "MARLAAS_SCHEDULE": "sequential",
            "MARLAAS_DEVICE": "cuda", "MARLAAS_STORE_URL": ""}
@@ -46,7 +46,7 @@ def test_file_then_env_then_overrides(tmp_path):
     assert config.manager.schedule == "sequential"  # env beats file
     assert config.trainer.device == "cuda"  # env over the default
     assert config.rollout.max_loras == 2  # flag beats file
-    assert config.rollout.kv_cache_gib == 2.5  # file over the default
+    assert config.rollout.kv_cache_gib == 2  # file over the default
     assert config.log_level == "debug"
     assert config.log_format == "console"  # a None flag means "not given"
     assert config.store_url == ""  # an empty env var means "not set"
