@@ -36,7 +36,7 @@ class RolloutConfig(Section):
 class TrainerConfig(Section):
     device: Literal["cpu", "cuda", "npu"] = "cpu"
     hot_adapters: int = 16  # jobs whose adapter + optimizer stay in memory
-    torch_threads: int = 0  # 0 = torch's default
+    torch_threads: int = 0  # 0 = auto: on cpu, all cores but one (the engine's)
 
 
 class ManagerConfig(Section):

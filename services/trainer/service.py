@@ -11,6 +11,7 @@ start the trainer re-announces every committed version (deduplicated by NATS).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import structlog
@@ -122,10 +123,13 @@ class Trainer:
 async def run(rt: Runtime) -> None:
     """Load the base model once, re-announce committed versions, then train until stopped."""
     cfg = rt.config
-    if cfg.trainer.torch_threads:
-        import torch
+    import torch
 
-        torch.set_num_threads(cfg.trainer.torch_threads)
+    threads = cfg.trainer.torch_threads
+    if not threads and cfg.trainer.device == "cpu":  # leave a core to the CPU engine's threads
+        threads = max(1, (os.cpu_count() or 2) - 1)
+    if threads:
+        torch.set_num_threads(threads)
     policy = await asyncio.to_thread(
         PolicyTrainer, cfg.base_model_dir, cfg.trainer.device, cfg.trainer.hot_adapters
     )

@@ -1,0 +1,80 @@
+"""The committed built-in base model: it loads, its tokenizer is exact, and it is half-trained."""
+
+from functools import cache
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from marlaas.basemodel import builtin_model_dir
+from marlaas.tasks import get_task
+
+TOY_TASKS = ("addition", "reverse", "repeat")
+
+
+@cache
+def _tokenizer():
+    return AutoTokenizer.from_pretrained(builtin_model_dir())
+
+
+@cache
+def _model():
+    return AutoModelForCausalLM.from_pretrained(builtin_model_dir(), dtype=torch.float32).eval()
+
+
+def _greedy_reward(name: str, n: int = 40) -> float:
+    task, tok, model = get_task(name), _tokenizer(), _model()
+    problems = task.problems(n, seed=2024)
+    tok.padding_side = "left"
+    enc = tok([p["prompt"] for p in problems], return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(
+            **enc,
+            do_sample=False,
+            max_new_tokens=task.max_new_tokens,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    return sum(task.reward(p, t) for p, t in zip(problems, texts)) / n
+
+
+def test_model_dir_holds_a_small_float32_qwen3():
+    root = builtin_model_dir()
+    assert (root / "model.safetensors").stat().st_size < 8_000_000
+    model, tok = _model(), _tokenizer()
+    cfg = model.config
+    assert cfg.model_type == "qwen3" and cfg.head_dim == 32 and cfg.tie_word_embeddings
+    assert next(model.parameters()).dtype == torch.float32
+    assert cfg.vocab_size == len(tok) and cfg.vocab_size % 64 == 0
+    assert cfg.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<eos>")
+    assert cfg.pad_token_id == tok.pad_token_id == tok.convert_tokens_to_ids("<pad>")
+    assert tok.bos_token_id is None
+
+
+def test_tokenizer_is_one_token_per_character_and_round_trips():
+    tok = _tokenizer()
+    for text in ("37+45=82", "rev:ab c=", "dup:xyz=xyzxyz", "Tom has $3.50 (2*1.75)?\n#### 3.5!'\""):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert ids == [tok.convert_tokens_to_ids(ch) for ch in text]
+        assert tok.unk_token_id not in ids
+        assert tok.decode(ids) == text
+        assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == text
+    assert tok("ab", add_special_tokens=True)["input_ids"] == tok("ab", add_special_tokens=False)["input_ids"]
+
+
+def test_greedy_model_is_partially_trained_on_every_toy_task():
+    for name in TOY_TASKS:
+        reward = _greedy_reward(name)
+        assert 0.15 < reward < 0.95, f"{name}: greedy reward {reward:.3f} is not partial"
+
+
+def test_missing_model_dir_says_how_to_build_it(tmp_path, monkeypatch):
+    import marlaas.basemodel as basemodel
+
+    monkeypatch.setattr(basemodel, "_TINY", tmp_path / "tiny")
+    try:
+        basemodel.builtin_model_dir()
+    except FileNotFoundError as err:
+        assert "marlaas.basemodel.pretrain" in str(err)
+    else:
+        raise AssertionError("builtin_model_dir() did not notice the missing model")
