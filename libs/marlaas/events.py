@@ -39,10 +39,11 @@ class GrpoSettings(Wire):
 
     prompts_per_step: int = 8
     group_size: int = 8
-    max_new_tokens: int = 16
+    max_new_tokens: int = 0  # 0 = the task's own budget
     temperature: float = 1.0
     learning_rate: float = 2e-3
     clip_eps: float = 0.2
+    scale_by_std: bool = True  # GRPO divides advantages by the group's std; False = Dr. GRPO
     kl_coef: float = 0.0
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0

@@ -76,6 +76,9 @@ class Manager:
             task = get_task(request.task, request.dataset)
         except TaskError as exc:
             raise api.SubmitError(str(exc)) from exc
+        if g.max_new_tokens < 0:
+            raise api.SubmitError("grpo.max_new_tokens must be >= 0 (0 = the task's own budget)")
+        g = msgspec.structs.replace(g, max_new_tokens=g.max_new_tokens or task.max_new_tokens)
         prompt_tokens = max(len(self.tokenizer.encode(p["prompt"], add_special_tokens=False))
                             for p in task.problems(16, request.seed))
         if prompt_tokens + g.max_new_tokens > rc.max_model_len:

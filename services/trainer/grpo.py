@@ -3,6 +3,7 @@
 Formulation (B = samples in the batch, T = padded sequence length, G = group size):
 
     A_i      = (r_i - mean(r_group(i))) / (std(r_group(i)) + 1e-4)    # group-normalized advantage
+                                                  # (without the std when scale_by_std is off)
     rho_it   = exp(logp_theta(y_it) - logp_sample(y_it))              # sampler's logprobs as "old"
     L_clip   = -sum_it m_it * min(rho_it A_i, clip(rho_it, 1-eps, 1+eps) A_i) / sum_it m_it
     L_kl     = beta * sum_it m_it * k3(logp_ref - logp_theta) / sum_it m_it,   k3(x) = e^x - x - 1
@@ -24,14 +25,14 @@ from dataclasses import dataclass
 import torch
 
 
-def group_advantages(rewards_B: torch.Tensor, groups_B: torch.Tensor) -> torch.Tensor:
-    """Normalize each reward by its group's mean and std; a group of equal rewards gets 0."""
+def group_advantages(rewards_B: torch.Tensor, groups_B: torch.Tensor, scale_by_std: bool = True) -> torch.Tensor:
+    """Center each reward on its group's mean (and divide by its std); equal rewards get 0."""
     advantages_B = torch.zeros_like(rewards_B)
     for group in groups_B.unique():
         members = groups_B == group
         r = rewards_B[members]
         std = r.std(unbiased=False) if r.numel() > 1 else torch.tensor(0.0)
-        advantages_B[members] = (r - r.mean()) / (std + 1e-4)
+        advantages_B[members] = (r - r.mean()) / (std + 1e-4) if scale_by_std else r - r.mean()
     return advantages_B
 
 

@@ -137,7 +137,7 @@ class PolicyTrainer:
         tokens_B_T, mask_B_T, sample_lp_B_T, attn_B_T = self._pack(batch)
         rewards_B = torch.tensor([s.reward for s in batch.samples], dtype=torch.float32)
         groups_B = torch.tensor([s.group for s in batch.samples])
-        advantages_B = group_advantages(rewards_B, groups_B).to(self.device)
+        advantages_B = group_advantages(rewards_B, groups_B, settings.scale_by_std).to(self.device)
 
         ref_lp_B_T = None
         if settings.kl_coef > 0:

@@ -169,3 +169,50 @@ def test_cancel_stops_a_running_job(stack):
     at_cancel, view = run(go())
     assert view.state == "cancelled"
     assert view.version <= at_cancel + 1  # at most the update already in flight lands
+
+
+def cli(stack, *args: str) -> tuple[int, dict]:
+    """Run the real ``marlaas`` CLI against the running stack; parse its --json output."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "marlaas.cli", "--home", str(stack.home), *args, "--json"],
+        capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "MARLAAS_NATS_URL": ""},
+    )
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def test_cli_json_shapes(stack, tmp_path):
+    code, tasks = cli(stack, "tasks")
+    assert code == 0
+    assert {"name": "reverse", "kind": "single-turn"}.items() <= tasks["tasks"][1].items()
+
+    job_file = tmp_path / "job.toml"
+    job_file.write_text('name = "from-file"\ntask = "reverse"\nsteps = 2\nseed = 4\n[grpo]\ngroup_size = 4\n')
+    code, submitted = cli(stack, "submit", str(job_file), "--set", "grpo.prompts_per_step=4")
+    assert code == 0 and submitted["id"].startswith("default.from-file-")
+    job = submitted["id"]
+
+    async def wait():
+        client = await Client.connect(stack.nats_url)
+        await client.wait([job], timeout_s=300)
+        await client.close()
+
+    run(wait())
+    code, status = cli(stack, "status", job)
+    assert code == 0
+    (view,) = status["jobs"]
+    assert view["id"] == job and view["name"] == "from-file" and view["task"] == "reverse"
+    assert view["state"] == "completed" and view["version"] == 2 and view["steps"] == 2
+    assert len(view["rewards"]) == 2 and all(0.0 <= r <= 1.0 for r in view["rewards"])
+    assert view["ttfs_s"] > 0 and view["tpts_s"] > 0
+
+    code, flags = cli(stack, "submit", "--task", "addition", "--steps", "1", "--name", "flags", "--seed", "3")
+    assert code == 0 and flags["id"].startswith("default.flags-")
+
+    code, error = cli(stack, "submit", "--task", "addition", "--steps", "1", "--set", "grpo.group_size=1")
+    assert code == 2 and "group_size must be at least 2" in error["error"]
+    code, error = cli(stack, "cancel", "default.missing-000000")
+    assert code == 2 and "no job" in error["error"]

@@ -1,0 +1,43 @@
+"""`marlaas up`: the embedded stack starts as processes, answers the CLI, and Ctrl-C stops it all."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is not alive
+        return f.read().split()[2] != "Z"
+
+
+@pytest.mark.timeout(400)
+def test_up_serves_the_cli_and_ctrl_c_stops_every_process(tmp_path):
+    env = {**os.environ, "MARLAAS_NATS_URL": "", "MARLAAS_HOME": str(tmp_path)}
+    up = subprocess.Popen([sys.executable, "-m", "marlaas.cli", "up", "--json"], stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        info = json.loads(up.stdout.readline())  # printed once every service is ready
+        assert info["nats_url"].startswith("nats://127.0.0.1:")
+        status = subprocess.run([sys.executable, "-m", "marlaas.cli", "status", "--json"], env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert json.loads(status.stdout) == {"jobs": []}
+        children = [int(p.name.rsplit("-", 1)[1]) for p in (tmp_path / "run" / "ready").iterdir()]
+        assert len(children) == 4 and all(alive(pid) for pid in children)
+    finally:
+        up.send_signal(signal.SIGINT)
+        code = up.wait(timeout=120)
+    assert code == 0
+    assert not any(alive(pid) for pid in children)
+    assert not (tmp_path / "run" / "nats.url").exists()
+    logs = {name: (tmp_path / "logs" / f"{name}.log").read_text() for name in ("manager", "trainer", "env")}
+    assert all("stopped" in text for text in logs.values()), "a service did not drain and stop cleanly"
