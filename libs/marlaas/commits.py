@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from marlaas.bus import Bus
-from marlaas.events import CommittedVersion, PolicyCommitted, encode
+from dataclasses import dataclass
+
+from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
+from marlaas.events import COMMITTED, JOB_RECORD, CommittedVersion, JobRecord, PolicyCommitted, encode
 
 
 def policy_subject(job: str) -> str:
@@ -21,3 +23,21 @@ async def announce(bus: Bus, committed: CommittedVersion) -> bool:
                             committed_at=committed.committed_at)
     return await bus.publish(policy_subject(committed.job), encode(event),
                              msg_id=f"{committed.job}:{committed.version}")
+
+
+@dataclass(frozen=True)
+class JobSnapshot:
+    """A job's record and committed version as read together, with the version's KV revision."""
+
+    record: JobRecord
+    committed: CommittedVersion
+    revision: int  # of the ``versions`` entry: the compare-and-set commits against it
+
+
+async def read_job(bus: Bus, job: str) -> JobSnapshot | None:
+    """The job's record and committed version, or None if either is missing (an unknown job)."""
+    record = await bus.kv_get(JOBS_BUCKET, job)
+    committed = await bus.kv_get(VERSIONS_BUCKET, job)
+    if record is None or committed is None:
+        return None
+    return JobSnapshot(JOB_RECORD.decode(record.value), COMMITTED.decode(committed.value), committed.revision)

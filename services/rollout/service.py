@@ -16,9 +16,10 @@ import zlib
 import structlog
 
 from marlaas.adapters import attempt_prefix, materialize
-from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery, PoisonMessage
+from marlaas.bus import Bus, Delivery, PoisonMessage
+from marlaas.commits import read_job
 from marlaas.events import (
-    COMMITTED, JOB_RECORD, POLICY, REWARD, JobFailureReported, JobSpec, PolicyCommitted, RewardItem, RewardRequest,
+    POLICY, REWARD, JobFailureReported, JobSpec, PolicyCommitted, RewardItem, RewardRequest,
     Sample, TrajectoryBatch, TrajectoryReady, encode,
 )
 from marlaas.runtime import Runtime
@@ -67,16 +68,14 @@ class Rollout:
     async def handle(self, delivery: Delivery) -> None:
         event: PolicyCommitted = POLICY.decode(delivery.data)
         job, version = event.job, event.version
-        record_entry = await self.bus.kv_get(JOBS_BUCKET, job)
-        committed_entry = await self.bus.kv_get(VERSIONS_BUCKET, job)
-        if record_entry is None or committed_entry is None:
+        state = await read_job(self.bus, job)
+        if state is None:
             raise PoisonMessage(f"policy-committed for unknown job {job}")
-        record = JOB_RECORD.decode(record_entry.value)
-        spec = record.spec
+        record, spec = state.record, state.record.spec
         if record.state.finished or version >= spec.steps:
             self.tasks.pop(job, None)
             return await self.engine.drop_job(job)
-        if COMMITTED.decode(committed_entry.value).version != version:
+        if state.committed.version != version:
             return  # an old announcement (redelivered): a newer version already exists
         async with delivery.keep_alive():
             try:

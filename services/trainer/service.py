@@ -17,10 +17,10 @@ import time
 import structlog
 
 from marlaas.adapters import CONFIG_FILE, attempt_prefix, write_adapter
-from marlaas.commits import announce
-from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery, StaleRevision
+from marlaas.commits import announce, read_job
+from marlaas.bus import VERSIONS_BUCKET, Bus, Delivery, StaleRevision
 from marlaas.events import (
-    BATCH, COMMITTED, JOB_RECORD, TRAJECTORY, CommittedVersion, JobFailureReported,
+    BATCH, COMMITTED, TRAJECTORY, CommittedVersion, JobFailureReported,
     TrajectoryBatch, TrajectoryReady, encode,
 )
 from marlaas.runtime import Runtime
@@ -50,13 +50,11 @@ class Trainer:
     async def handle(self, delivery: Delivery) -> None:
         event: TrajectoryReady = TRAJECTORY.decode(delivery.data)
         job, version = event.job, event.version
-        record_entry = await self.bus.kv_get(JOBS_BUCKET, job)
-        entry = await self.bus.kv_get(VERSIONS_BUCKET, job)
-        if record_entry is None or entry is None:
+        state = await read_job(self.bus, job)
+        if state is None:
             log.error("batch for an unknown job; terminated", job=job, batch_id=event.batch_id)
             return await delivery.term()
-        record = JOB_RECORD.decode(record_entry.value)
-        committed = COMMITTED.decode(entry.value)
+        record, committed = state.record, state.committed
         if record.state.finished:
             log.info("batch of a finished job; dropped", job=job, state=record.state.value)
             return await delivery.term()
@@ -86,7 +84,7 @@ class Trainer:
         async with span(self.bus, SERVICE, "commit", job, version + 1):
             new = await asyncio.to_thread(self._write, committed, result, event.batch_id)
             try:
-                await self.bus.kv_update(VERSIONS_BUCKET, job, encode(new), entry.revision)
+                await self.bus.kv_update(VERSIONS_BUCKET, job, encode(new), state.revision)
             except StaleRevision:
                 self.policy.evict(job)  # someone else committed v+1: our result is an orphan
                 log.warning("lost the commit race; batch terminated", job=job, version=version + 1)

@@ -6,6 +6,7 @@ policy already earns some reward and GRPO groups have variance to learn from.
 
 from __future__ import annotations
 
+import abc
 import random
 import string
 
@@ -25,27 +26,38 @@ class Addition(Task):
         return char_match(completion.strip(), problem["answer"])
 
 
-class Reverse(Task):
+class WordTask(Task):
+    """A random word of 3-6 letters in, a transform of it out."""
+
+    prefix: str
+
+    @abc.abstractmethod
+    def transform(self, word: str) -> str:
+        """The answer for ``word``."""
+
+    def sample_problem(self, rng: random.Random) -> dict:
+        word = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 6)))
+        return {"prompt": f"{self.prefix}:{word}=", "answer": self.transform(word)}
+
+    def reward(self, problem: dict, completion: str) -> float:
+        return char_match(completion.strip(), problem["answer"])
+
+
+class Reverse(WordTask):
     name = "reverse"
     description = "reverse a word of 3-6 letters ('rev:abcd=' -> 'dcba'); medium answers"
     max_new_tokens = 8
+    prefix = "rev"
 
-    def sample_problem(self, rng: random.Random) -> dict:
-        word = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 6)))
-        return {"prompt": f"rev:{word}=", "answer": word[::-1]}
-
-    def reward(self, problem: dict, completion: str) -> float:
-        return char_match(completion.strip(), problem["answer"])
+    def transform(self, word: str) -> str:
+        return word[::-1]
 
 
-class Repeat(Task):
+class Repeat(WordTask):
     name = "repeat"
     description = "write a word of 3-6 letters twice ('dup:abc=' -> 'abcabc'); long answers"
     max_new_tokens = 14
+    prefix = "dup"
 
-    def sample_problem(self, rng: random.Random) -> dict:
-        word = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 6)))
-        return {"prompt": f"dup:{word}=", "answer": word * 2}
-
-    def reward(self, problem: dict, completion: str) -> float:
-        return char_match(completion.strip(), problem["answer"])
+    def transform(self, word: str) -> str:
+        return word * 2
