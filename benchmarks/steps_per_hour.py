@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="versions per job")
     parser.add_argument("--sequential", action="store_true", help="also run the sequential baseline")
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=120)
     with console.status("benchmarking (1 job, then 3 concurrent jobs)..."):
         rows = run_stack("async", [(1, "async-1"), (3, "async-3")], args.steps)
         if args.sequential:

