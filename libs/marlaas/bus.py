@@ -216,6 +216,25 @@ class Bus:
 
         return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
 
+    async def read_all(self, stream: str, subject: str) -> list[bytes]:
+        """Every message now stored in ``stream`` under ``subject``, oldest first (an ephemeral reader)."""
+        info = await self.js.stream_info(stream)
+        if info.state.messages == 0:
+            return []
+        sub = await self.js.pull_subscribe(subject, stream=stream)
+        found: list[bytes] = []
+        try:
+            while True:
+                try:
+                    msgs = await sub.fetch(512, timeout=0.5)
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    return found
+                for msg in msgs:
+                    found.append(msg.data)
+                    await msg.ack()
+        finally:
+            await sub.unsubscribe()
+
     # --- key-value -----------------------------------------------------------------------
 
     async def kv_get(self, bucket: str, key: str) -> KvEntry | None:

@@ -40,20 +40,4 @@ async def read_spans(bus: Bus, job: str = ">") -> list[Span]:
     """Every span recorded so far (for one job, or all), oldest first."""
     from marlaas.events import METRIC
 
-    info = await bus.js.stream_info("METRICS")
-    if info.state.messages == 0:
-        return []
-    sub = await bus.js.pull_subscribe(span_subject(job), stream="METRICS")
-    spans: list[Span] = []
-    try:
-        while True:
-            try:
-                msgs = await sub.fetch(512, timeout=0.5)
-            except Exception:  # nats' TimeoutError: nothing more
-                break
-            for msg in msgs:
-                spans.append(METRIC.decode(msg.data))
-                await msg.ack()
-    finally:
-        await sub.unsubscribe()
-    return spans
+    return [METRIC.decode(data) for data in await bus.read_all("METRICS", span_subject(job))]

@@ -45,16 +45,10 @@ def run(coro):
 async def committed_versions(url: str) -> dict[str, list[int]]:
     """Every policy-committed announcement in the POLICY stream, per job, in stream order."""
     bus = await Bus.connect(url)
-    sub = await bus.js.pull_subscribe("marlaas.policy.committed.>", stream="POLICY")
     versions: dict[str, list[int]] = {}
-    while True:
-        try:
-            msgs = await sub.fetch(256, timeout=0.5)
-        except Exception:
-            break
-        for msg in msgs:
-            event = POLICY.decode(msg.data)
-            versions.setdefault(event.job, []).append(event.version)
+    for data in await bus.read_all("POLICY", "marlaas.policy.committed.>"):
+        event = POLICY.decode(data)
+        versions.setdefault(event.job, []).append(event.version)
     await bus.close()
     return versions
 
