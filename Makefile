@@ -26,7 +26,7 @@ test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit
 
 bench: setup
-	$(BIN)/python benchmarks/steps_per_hour.py
+	$(BIN)/python benchmarks/steps_per_hour.py --steps 20 --sequential
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--home", default=".marlaas/demo")
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=120)
     home = Path(args.home).resolve()
     shutil.rmtree(home, ignore_errors=True)
     config = load_config(overrides={"home": str(home)})
@@ -97,6 +97,7 @@ def main() -> None:
         views, elapsed = asyncio.run(run_jobs(stack.nats_url, args.steps, console))
     finally:
         stack.stop()
+    console.print()
     console.print(summary_table(views))
     plot = plot_rewards(views, home / "rewards.png")
     steps = sum(v.steps for v in views)
