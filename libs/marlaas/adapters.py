@@ -33,14 +33,22 @@ def write_adapter(store: ObjectStore, job: str, version: int, config_json: bytes
     return store.put_bytes(f"{prefix}/{WEIGHTS_FILE}", weights)
 
 
+def _config_key(store: ObjectStore, blob: Blob) -> str:
+    """The adapter config sits next to the weights the Blob points at."""
+    return store.key_of(blob.uri).rsplit("/", 1)[0] + "/" + CONFIG_FILE
+
+
+def read_adapter(store: ObjectStore, blob: Blob) -> tuple[bytes, bytes]:
+    """An adapter's (config JSON, verified safetensors weights)."""
+    return store.get_bytes(_config_key(store, blob)), store.fetch(blob)
+
+
 def materialize(store: ObjectStore, blob: Blob, dest: Path) -> Path:
     """Copy an adapter to a local directory (for vLLM / peft), verifying the weights' sha256."""
-    weights_key = store.key_of(blob.uri)
-    config_key = weights_key.rsplit("/", 1)[0] + "/" + CONFIG_FILE
     dest.mkdir(parents=True, exist_ok=True)
     if not (dest / WEIGHTS_FILE).exists():
-        store.get_file(config_key, dest / CONFIG_FILE)
-        store.get_file(weights_key, dest / WEIGHTS_FILE, sha256=blob.sha256)
+        store.get_file(_config_key(store, blob), dest / CONFIG_FILE)
+        store.get_file(store.key_of(blob.uri), dest / WEIGHTS_FILE, sha256=blob.sha256)
     return dest
 
 

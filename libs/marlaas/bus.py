@@ -264,11 +264,15 @@ class Bus:
             raise StaleRevision(f"{bucket}/{key} is no longer at revision {revision}") from exc
 
     async def kv_keys(self, bucket: str) -> list[str]:
-        kv = await self._bucket(bucket)
-        try:
-            return list(await kv.keys())
-        except nats.js.errors.NoKeysError:
-            return []
+        """Every key ever written to ``bucket``, from the server's per-subject counts.
+
+        (nats-py's ``kv.keys()`` reads a watcher and can return before it has seen a key
+        that was just written; the stream's subject list cannot.)
+        """
+        await self._bucket(bucket)
+        prefix = f"$KV.{bucket}."
+        info = await self.js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+        return sorted(subject[len(prefix):] for subject in (info.state.subjects or {}))
 
     # --- durable consumers ---------------------------------------------------------------
 

@@ -16,17 +16,17 @@ import time
 
 import structlog
 
-from marlaas.adapters import CONFIG_FILE, attempt_prefix, write_adapter
+from marlaas.adapters import attempt_prefix, read_adapter, write_adapter
 from marlaas.commits import announce, read_job
 from marlaas.bus import VERSIONS_BUCKET, Bus, Delivery, StaleRevision
 from marlaas.events import (
-    BATCH, COMMITTED, TRAJECTORY, CommittedVersion, JobFailureReported,
+    BATCH, COMMITTED, TRAJECTORY, CommittedVersion, JobFailureReported, JobSpec,
     TrajectoryBatch, TrajectoryReady, encode,
 )
 from marlaas.runtime import Runtime
 from marlaas.store import ObjectStore
 from marlaas.telemetry import span
-from services.trainer.policy import NonFiniteUpdate, PolicyTrainer
+from services.trainer.policy import NonFiniteUpdate, PolicyTrainer, StepResult
 
 log = structlog.get_logger("trainer")
 SERVICE = "trainer"
@@ -37,7 +37,6 @@ class Trainer:
 
     def __init__(self, bus: Bus, store: ObjectStore, policy: PolicyTrainer) -> None:
         self.bus, self.store, self.policy = bus, store, policy
-        self.metrics: dict[tuple[str, int], dict[str, float]] = {}  # for re-announcing
 
     async def reannounce_committed(self) -> None:
         """Crash recovery: announce every committed version (NATS dedups the ones already out)."""
@@ -92,17 +91,15 @@ class Trainer:
             await announce(self.bus, new)
         await delivery.ack()
 
-    def _train(self, committed: CommittedVersion, batch: TrajectoryBatch, spec):
+    def _train(self, committed: CommittedVersion, batch: TrajectoryBatch, spec: JobSpec) -> StepResult:
         """Load the job if it is cold (or at another version), then one GRPO step."""
         if self.policy.hot_version(committed.job) != committed.version:
-            weights = self.store.fetch(committed.adapter)
-            config_key = self.store.key_of(committed.adapter.uri).rsplit("/", 1)[0] + "/" + CONFIG_FILE
+            config_json, weights = read_adapter(self.store, committed.adapter)
             optimizer = self.store.fetch(committed.optimizer) if committed.optimizer else None
-            self.policy.load(committed.job, committed.version, self.store.get_bytes(config_key),
-                             weights, optimizer, spec.grpo)
+            self.policy.load(committed.job, committed.version, config_json, weights, optimizer, spec.grpo)
         return self.policy.train_step(committed.job, batch, spec.grpo)
 
-    def _write(self, committed: CommittedVersion, result, batch_id: str) -> CommittedVersion:
+    def _write(self, committed: CommittedVersion, result: StepResult, batch_id: str) -> CommittedVersion:
         version = committed.version + 1
         adapter = write_adapter(self.store, committed.job, version, result.config_json, result.weights)
         optimizer = self.store.put_bytes(

@@ -304,3 +304,11 @@ async def test_request_answered_too_late_raises_timeout_error(bus):
 def test_embedded_server_on_a_taken_port_fails_clearly(nats_server, tmp_path):
     with pytest.raises(RuntimeError, match="address already in use"):
         EmbeddedNats(tmp_path / "second", port=nats_server.port).start()
+
+
+async def test_kv_keys_lists_every_key_right_after_it_is_written(bus):
+    assert await bus.kv_keys("jobs") == []
+    for i in range(20):
+        await bus.kv_create("jobs", f"tenant.job-{i:02d}", b"{}")
+        assert len(await bus.kv_keys("jobs")) == i + 1  # read-your-writes, every time
+    assert await bus.kv_keys("jobs") == [f"tenant.job-{i:02d}" for i in range(20)]

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -31,6 +32,12 @@ def test_up_serves_the_cli_and_ctrl_c_stops_every_process(tmp_path):
         status = subprocess.run([sys.executable, "-m", "marlaas.cli", "status", "--json"], env=env,
                                 capture_output=True, text=True, timeout=60)
         assert json.loads(status.stdout) == {"jobs": []}
+        watch = subprocess.Popen([sys.executable, "-m", "marlaas.cli", "status", "--watch"], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(3)
+        watch.send_signal(signal.SIGINT)
+        out, _ = watch.communicate(timeout=30)
+        assert watch.returncode == 0 and "tpts_s" in out  # the live table rendered, Ctrl-C ended it
         children = [int(p.name.rsplit("-", 1)[1]) for p in (tmp_path / "run" / "ready").iterdir()]
         assert len(children) == 4 and all(alive(pid) for pid in children)
     finally:

@@ -210,3 +210,33 @@ def test_cli_json_shapes(stack, tmp_path):
     assert code == 2 and "group_size must be at least 2" in error["error"]
     code, error = cli(stack, "cancel", "default.missing-000000")
     assert code == 2 and "no job" in error["error"]
+
+
+def test_a_stale_batch_is_terminated_not_trained(stack):
+    """Invariant 2: a batch sampled with any version but the committed one is never trained."""
+    from marlaas.events import Sample, TrajectoryBatch, TrajectoryReady, encode
+
+    async def go():
+        client = await Client.connect(stack.nats_url)
+        job = await client.submit({"name": "audit", "task": "reverse", "steps": 1000, "seed": 5})
+        while (await client.status(job))[0].version < 2:
+            await asyncio.sleep(0.2)
+        stale = TrajectoryReady(job=job, version=0, batch_id="stale-batch", batch=TrajectoryBatch(samples=[
+            Sample(group=0, prompt_ids=[5], completion_ids=[6, 1], logprobs=[-1.0, -1.0],
+                   loss_mask=[1, 1], reward=r) for r in (0.0, 1.0)]))
+        await client.bus.publish(f"marlaas.trajectory.ready.{job}", encode(stale))
+        deadline = time.monotonic() + 60
+        log = stack.home / "logs" / "trainer.log"
+        while "stale-batch" not in log.read_text():
+            assert time.monotonic() < deadline, "the trainer never saw the stale batch"
+            await asyncio.sleep(0.2)
+        await client.cancel(job)
+        await client.close()
+        return job, log.read_text()
+
+    job, trainer_log = run(go())
+    line = next(line for line in trainer_log.splitlines() if "stale-batch" in line)
+    assert "off-policy batch terminated" in line and "batch_version=0" in line
+    trained = [s for s in run(all_spans(stack.nats_url)) if s.job == job and s.phase == "train"]
+    assert all(s.attrs["batch_id"] != "stale-batch" for s in trained)
+    assert sorted(s.version for s in trained) == list(range(len(trained)))  # each version once

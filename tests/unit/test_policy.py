@@ -95,3 +95,21 @@ def test_jobs_keep_separate_adapters(base_dir, v0):
     a, b, init = (load_safetensors(w) for w in (weights_a, weights_b, v0[1]))
     assert all(torch.equal(b[k], init[k]) for k in init)  # b untouched by a's step
     assert not all(torch.equal(a[k], init[k]) for k in init)
+
+
+def test_an_absent_accelerator_is_a_clear_error():
+    from services.trainer.policy import pick_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RuntimeError, match="torch sees no CUDA device"):
+        pick_device("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grpo_step_on_cuda(base_dir, v0):
+    trainer = PolicyTrainer(base_dir, device="cuda")
+    trainer.load("t.job", 0, *v0, None, SETTINGS)
+    result = trainer.train_step("t.job", batch([1.0, 0.0, 0.0, 0.0]), SETTINGS)
+    assert math.isfinite(result.metrics["loss"]) and trainer.hot_version("t.job") == 1
