@@ -84,6 +84,19 @@ class Stack:
             stdout=logfile, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
 
+    def kill(self, name: str) -> None:
+        """SIGKILL one service (a crash, for chaos tests); :meth:`restart` brings it back."""
+        proc = self.procs[name]
+        proc.kill()
+        proc.wait()
+
+    def restart(self, name: str, timeout_s: float = 180.0) -> None:
+        """Start a fresh process for service ``name`` and wait until it is ready."""
+        if self.procs[name].poll() is None:
+            raise StackError(f"service {name} is still running; kill or stop it first")
+        self._spawn(name)
+        self.wait_ready(timeout_s)
+
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         ready_dir = self.run_dir / "ready"
