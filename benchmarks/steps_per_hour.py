@@ -4,7 +4,9 @@
 
 Both measurements use the same embedded stack (engine already warm). Also reported,
 from the services' spans: the fraction of the wall time in which the engine was
-generating for at least one job, and in which the trainer was training. With
+generating for at least one job, and in which the trainer was training, and the median
+time from a version's commit to the rollout generating with it (the per-version handoff:
+announcement, adapter download, vLLM adapter load). With
 ``--sequential`` a second stack with the manager's ``sequential`` schedule (one job
 at a time) runs the same 3 jobs, as the baseline the design is meant to beat.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +44,14 @@ def busy_fraction(intervals: list[tuple[float, float]], start: float, end: float
     return covered / (end - start)
 
 
+def handoff_ms(spans) -> float:
+    """Median time from a version's commit to its first generation: announce + adapter load."""
+    commits = {(s.job, s.version): s.end for s in spans if s.phase == "commit"}
+    gaps = [s.start - commits[(s.job, s.version)] for s in spans
+            if s.phase == "generate" and (s.job, s.version) in commits]
+    return statistics.median(gaps) * 1000 if gaps else float("nan")
+
+
 async def measure(url: str, n_jobs: int, steps: int, label: str) -> dict:
     client = await Client.connect(url)
     started = time.time()
@@ -61,6 +72,7 @@ async def measure(url: str, n_jobs: int, steps: int, label: str) -> dict:
         "tpts_s": sum(v.tpts_s for v in views) / len(views),
         "engine_busy": busy_fraction([(s.start, s.end) for s in spans if s.phase == "generate"], started, ended),
         "trainer_busy": busy_fraction([(s.start, s.end) for s in spans if s.phase == "train"], started, ended),
+        "handoff_ms": handoff_ms(spans),
     }
 
 
@@ -84,11 +96,12 @@ def main() -> None:
         rows = run_stack("async", [(1, "async-1"), (3, "async-3")], args.steps)
         if args.sequential:
             rows += run_stack("sequential", [(3, "sequential-3")], args.steps)
-    table = Table("setup", "jobs", "steps", "wall_s", "steps/hour", "tpts_s", "engine busy", "trainer busy")
+    table = Table("setup", "jobs", "steps", "wall_s", "steps/hour", "tpts_s", "engine busy", "trainer busy",
+                  "commit->generate ms")
     for r in rows:
         table.add_row(r["setup"], str(r["jobs"]), str(r["steps"]), f"{r['wall_s']:.1f}",
                       f"{r['steps_per_hour']:.0f}", f"{r['tpts_s']:.2f}",
-                      f"{r['engine_busy']:.0%}", f"{r['trainer_busy']:.0%}")
+                      f"{r['engine_busy']:.0%}", f"{r['trainer_busy']:.0%}", f"{r['handoff_ms']:.0f}")
     console.print(table)
     base = rows[0]["steps_per_hour"]
     for r in rows[1:]:
