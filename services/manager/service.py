@@ -37,6 +37,17 @@ _SLUG = re.compile(r"[^a-z0-9]+")
 _TENANT = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 
 
+def linear_module_names(model_dir) -> set[str]:
+    """Names LoRA can target: the base model's linear layers (built on the meta device: no weights)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and name != "lm_head"}
+
+
 class Manager:
     """Job registry and lifecycle; every record change is a compare-and-set on the ``jobs`` KV."""
 
@@ -49,6 +60,7 @@ class Manager:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.lora_targets = linear_module_names(self.model_dir)
 
     # --- submission ---------------------------------------------------------------------------
 
@@ -67,7 +79,13 @@ class Manager:
             (g.kl_coef < 0, "grpo.kl_coef must be >= 0"),
             (not 1 <= lora.rank <= rc.max_lora_rank,
              f"lora.rank must be between 1 and {rc.max_lora_rank} (rollout.max_lora_rank)"),
+            (g.max_new_tokens < 0, "grpo.max_new_tokens must be >= 0 (0 = the task's own budget)"),
+            (not lora.alpha > 0, "lora.alpha must be > 0"),
+            (not 0 <= lora.dropout < 1, "lora.dropout must be in [0, 1)"),
             (not lora.target_modules, "lora.target_modules must name at least one module"),
+            (not set(lora.target_modules) <= self.lora_targets,
+             f"lora.target_modules {sorted(set(lora.target_modules) - self.lora_targets)} are not linear "
+             f"layers of the base model; choose from {sorted(self.lora_targets)}"),
         ]
         errors = [message for bad, message in problems if bad]
         if errors:
@@ -76,8 +94,6 @@ class Manager:
             task = get_task(request.task, request.dataset)
         except TaskError as exc:
             raise api.SubmitError(str(exc)) from exc
-        if g.max_new_tokens < 0:
-            raise api.SubmitError("grpo.max_new_tokens must be >= 0 (0 = the task's own budget)")
         g = msgspec.structs.replace(g, max_new_tokens=g.max_new_tokens or task.max_new_tokens)
         prompt_tokens = max(len(self.tokenizer.encode(p["prompt"], add_special_tokens=False))
                             for p in task.problems(16, request.seed))
@@ -110,8 +126,24 @@ class Manager:
         await self.bus.kv_create(JOBS_BUCKET, spec.id, encode(record))
         await self.bus.publish(f"marlaas.job.submitted.{spec.id}", encode(JobSubmitted(spec=spec)))
         log.info("job submitted", job=spec.id, task=spec.task, steps=spec.steps)
-        await self.admit_queued()
+        await self.try_admission()
         return api.SubmitReply(id=spec.id)
+
+    async def try_admission(self) -> None:
+        """Admit what fits; a failure (store or broker down) is logged and retried by :meth:`keep_admitting`."""
+        try:
+            await self.admit_queued()
+        except Exception:
+            log.exception("admission pass failed; will retry")
+
+    async def keep_admitting(self, stop: asyncio.Event, every_s: float = 2.0) -> None:
+        """A periodic admission pass, so queued jobs never wait on an event that was missed."""
+        while not stop.is_set():
+            await self.try_admission()
+            try:
+                await asyncio.wait_for(stop.wait(), every_s)
+            except TimeoutError:
+                pass
 
     # --- admission and version 0 --------------------------------------------------------------
 
@@ -176,7 +208,7 @@ class Manager:
                                encode(JobStateChanged(job=job, state=state, reason=reason, at=time.time())))
         log.info("job state", job=job, state=state.value, reason=reason)
         if state.finished:
-            await self.admit_queued()
+            await self.try_admission()
         return True
 
     async def on_policy(self, delivery: Delivery) -> None:
@@ -240,11 +272,11 @@ async def run(rt: Runtime) -> None:
     await rt.bus.serve(api.SUBMIT, "manager", _reply(manager.submit))
     await rt.bus.serve(api.STATUS, "manager", _reply(manager.status))
     await rt.bus.serve(api.CANCEL, "manager", _reply(manager.cancel))
-    await manager.admit_queued()  # a restart picks up where the last run left off
     rt.ready()
     log.info("ready", schedule=rt.config.manager.schedule,
              kv_budget_mib=round(manager.budget_bytes / 2**20, 1))
     await asyncio.gather(
+        manager.keep_admitting(rt.stop),  # also picks up where a previous manager left off
         rt.bus.consume("POLICY", "manager", "marlaas.policy.committed.>", manager.on_policy, stop=rt.stop),
         rt.bus.consume("JOBS", "manager-failures", "marlaas.job.failure.>", manager.on_job_event,
                        stop=rt.stop),

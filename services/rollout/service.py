@@ -10,6 +10,7 @@ rollout crash re-samples the batch rather than stalling the job.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 import zlib
 
@@ -74,6 +75,7 @@ class Rollout:
         record, spec = state.record, state.record.spec
         if record.state.finished or version >= spec.steps:
             self.tasks.pop(job, None)
+            shutil.rmtree(self.cache_dir / job, ignore_errors=True)
             return await self.engine.drop_job(job)
         if state.committed.version != version:
             return  # an old announcement (redelivered): a newer version already exists
@@ -88,10 +90,12 @@ class Rollout:
 
     async def sample_batch(self, spec: JobSpec, event: PolicyCommitted) -> TrajectoryBatch:
         task, grpo, version = self.task_of(spec), spec.grpo, event.version
-        adapter_dir = await asyncio.to_thread(
-            materialize, self.store, event.adapter, self.cache_dir / spec.id / f"v{version:06d}"
-        )
+        job_dir = self.cache_dir / spec.id
+        adapter_dir = await asyncio.to_thread(materialize, self.store, event.adapter, job_dir / f"v{version:06d}")
         lora = await self.engine.use_adapter(spec.id, version, adapter_dir)
+        for old in job_dir.iterdir():  # the engine holds older versions no more
+            if old != adapter_dir:
+                shutil.rmtree(old, ignore_errors=True)
         seed = batch_seed(spec, version)
         problems = task.problems(grpo.prompts_per_step, seed)
         prompt_ids = [self.engine.encode_prompt(p["prompt"]) for p in problems]

@@ -125,6 +125,8 @@ def test_bad_submissions_are_refused_and_create_nothing(stack):
         ({"name": "x", "task": "addition", "steps": 2, "lora": {"rank": 512}}, "lora.rank must be between"),
         ({"name": "x", "task": "gsm8k", "steps": 2}, "needs 'dataset'"),
         ({"name": "x", "task": "addition", "steps": 2, "grpo": {"max_new_tokens": 4096}}, "max_model_len"),
+        ({"name": "x", "task": "addition", "steps": 2, "lora": {"target_modules": ["qkv"]}},
+         "lora.target_modules ['qkv'] are not linear layers of the base model"),
     ]
 
     async def go():
