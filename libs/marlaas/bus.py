@@ -117,6 +117,7 @@ class Delivery:
 
 
 Handler = Callable[[Delivery], Awaitable[None]]
+GiveUp = Callable[[Delivery, Exception], Awaitable[None]]
 
 
 class Bus:
@@ -126,22 +127,32 @@ class Bus:
         self.nc = nc
         self.js = nc.jetstream()
         self._kv: dict[str, object] = {}
+        self._requests: set[asyncio.Task] = set()  # in-flight request handlers, kept and drained
 
     @classmethod
-    async def connect(cls, url: str, name: str = "marlaas") -> Bus:
-        """Connect with unlimited reconnects; the topology must exist (see :meth:`ensure_topology`)."""
+    async def connect(cls, url: str, name: str = "marlaas", timeout_s: float | None = None) -> Bus:
+        """Connect with unlimited reconnects; the topology must exist (see :meth:`ensure_topology`).
+
+        ``timeout_s`` bounds the first connection (clients: fail fast if nothing is there).
+        """
 
         async def on_error(exc: Exception) -> None:
             log.warning("nats error", error=str(exc), client=name)
 
-        nc = await nats.connect(
+        connecting = nats.connect(
             servers=[url], name=name, allow_reconnect=True, max_reconnect_attempts=-1,
             reconnect_time_wait=0.25, connect_timeout=2, error_cb=on_error,
         )
+        try:
+            nc = await asyncio.wait_for(connecting, timeout_s)
+        except TimeoutError as exc:
+            raise ConnectionError(f"no NATS server answers at {url} (is marlaas up?)") from exc
         return cls(nc)
 
     async def close(self) -> None:
-        """Drain what arrived and flush publishes, then close; close anyway if draining fails."""
+        """Finish answering requests, drain and flush, then close; close anyway if draining fails."""
+        if self._requests:
+            await asyncio.gather(*self._requests, return_exceptions=True)
         try:
             await self.nc.drain()
         except Exception:  # reconnecting or already closed: nothing left to drain
@@ -212,7 +223,9 @@ class Bus:
                 if msg.reply:
                     await msg.respond(reply)
 
-            asyncio.get_running_loop().create_task(run())
+            task = asyncio.get_running_loop().create_task(run())
+            self._requests.add(task)
+            task.add_done_callback(self._requests.discard)
 
         return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
 
@@ -280,13 +293,16 @@ class Bus:
         self, stream: str, durable: str, subject: str, handler: Handler, *,
         stop: asyncio.Event, ack_wait_s: float = 30.0, max_deliver: int = 20,
         concurrency: int = 1, retry_delay_s: float = 1.0, deliver_new: bool = False,
+        on_give_up: GiveUp | None = None,
     ) -> None:
         """Run ``handler`` on each message of a durable pull consumer until ``stop`` is set.
 
         A handler that returns without settling acks; one that raises :class:`PoisonMessage`
         or :class:`EventDecodeError` terms; any other exception naks with a delay
-        (transient). Up to ``concurrency`` messages are handled at once. Connection loss
-        and server restarts are ridden out: the loop keeps fetching once NATS is back.
+        (transient) until the ``max_deliver``-th attempt, which terms instead. Terming a
+        message calls ``on_give_up`` (e.g. to fail the job it belonged to). Up to
+        ``concurrency`` messages are handled at once. Connection loss and server restarts
+        are ridden out: the loop keeps fetching once NATS is back.
         """
         config = ConsumerConfig(
             durable_name=durable, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s,
@@ -318,7 +334,7 @@ class Bus:
                     continue
                 for msg in msgs:
                     task = asyncio.create_task(
-                        self._handle(Delivery(msg), handler, retry_delay_s, slots)
+                        self._handle(Delivery(msg), handler, retry_delay_s, max_deliver, on_give_up, slots)
                     )
                     running.add(task)
                     task.add_done_callback(running.discard)
@@ -333,21 +349,30 @@ class Bus:
 
     @staticmethod
     async def _handle(
-        delivery: Delivery, handler: Handler, retry_delay_s: float, slots: asyncio.Semaphore
+        delivery: Delivery, handler: Handler, retry_delay_s: float, max_deliver: int,
+        on_give_up: GiveUp | None, slots: asyncio.Semaphore,
     ) -> None:
         try:
             await handler(delivery)
             if not delivery.settled:
                 await delivery.ack()
-        except (PoisonMessage, EventDecodeError) as exc:
-            log.error("terminating poison message", subject=delivery.subject, error=str(exc))
-            with contextlib.suppress(Exception):
-                await delivery.term()
         except Exception as exc:
-            log.warning("handler failed; will retry", subject=delivery.subject, error=repr(exc),
-                        attempt=delivery.num_delivered)
-            with contextlib.suppress(Exception):
-                await delivery.nak(retry_delay_s * min(delivery.num_delivered, 10))
+            poison = isinstance(exc, (PoisonMessage, EventDecodeError))
+            if poison or 0 < max_deliver <= delivery.num_delivered:
+                log.error("terminating message", subject=delivery.subject, error=str(exc),
+                          attempts=delivery.num_delivered)
+                with contextlib.suppress(Exception):
+                    await delivery.term()
+                if on_give_up is not None:
+                    try:
+                        await on_give_up(delivery, exc)
+                    except Exception:
+                        log.exception("give-up hook failed", subject=delivery.subject)
+            else:
+                log.warning("handler failed; will retry", subject=delivery.subject, error=repr(exc),
+                            attempt=delivery.num_delivered)
+                with contextlib.suppress(Exception):
+                    await delivery.nak(retry_delay_s * min(delivery.num_delivered, 10))
         finally:
             slots.release()
 

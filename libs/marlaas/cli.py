@@ -100,6 +100,8 @@ def submission_from_args(args) -> dict:
     if missing:
         raise ValueError(f"missing {' and '.join(missing)}: give a job file or --task NAME --steps N")
     job.setdefault("name", job["task"])
+    if job.get("dataset"):  # the manager runs elsewhere: send an absolute path
+        job["dataset"] = str(Path(job["dataset"]).expanduser().resolve())
     return job
 
 
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
             setup_logging("cli", config.log_format, "warning")
         return args.fn(args, config)
-    except (ConfigError, ValueError, TimeoutError, RuntimeError) as exc:
+    except (ConfigError, ValueError, TimeoutError, RuntimeError, ConnectionError) as exc:
         return _fail(str(exc), as_json)
 
 

@@ -27,8 +27,8 @@ class Client:
         self.tenant = tenant
 
     @classmethod
-    async def connect(cls, nats_url: str, tenant: str = "") -> Client:
-        return cls(await Bus.connect(nats_url, name="marlaas-client"), tenant)
+    async def connect(cls, nats_url: str, tenant: str = "", timeout_s: float = 10.0) -> Client:
+        return cls(await Bus.connect(nats_url, name="marlaas-client", timeout_s=timeout_s), tenant)
 
     async def close(self) -> None:
         await self.bus.close()

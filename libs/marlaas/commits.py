@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
-from marlaas.events import COMMITTED, JOB_RECORD, CommittedVersion, JobRecord, PolicyCommitted, encode
+from marlaas.events import (
+    COMMITTED, JOB_RECORD, CommittedVersion, JobFailureReported, JobRecord, PolicyCommitted, encode,
+)
 
 
 def policy_subject(job: str) -> str:
@@ -41,3 +43,9 @@ async def read_job(bus: Bus, job: str) -> JobSnapshot | None:
     if record is None or committed is None:
         return None
     return JobSnapshot(JOB_RECORD.decode(record.value), COMMITTED.decode(committed.value), committed.revision)
+
+
+async def report_failure(bus: Bus, job: str, service: str, reason: str, version: int = -1) -> None:
+    """Tell the manager that ``job`` (and only it) failed in ``service``; it marks the job failed."""
+    event = JobFailureReported(job=job, service=service, reason=reason, version=version)
+    await bus.publish(f"marlaas.job.failure.{job}", encode(event))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -35,13 +35,13 @@ class RolloutConfig(Section):
 
 class TrainerConfig(Section):
     device: Literal["cpu", "cuda", "npu"] = "cpu"
-    hot_adapters: int = 16  # jobs whose adapter + optimizer stay in memory
+    hot_adapters: Annotated[int, msgspec.Meta(ge=1)] = 16  # jobs whose adapter + optimizer stay in memory
     torch_threads: int = 0  # 0 = auto: on cpu, all cores but one (the engine's)
 
 
 class ManagerConfig(Section):
     kv_budget_gib: float = 1.0  # admission: estimated KV-cache bytes of running jobs must fit
-    schedule: Literal["async", "sync", "sequential"] = "async"
+    schedule: Literal["async", "sequential"] = "async"
 
 
 class Config(Section):

@@ -49,7 +49,12 @@ class ObjectStore(abc.ABC):
 
     @abc.abstractmethod
     def _write_new(self, key: str, data: bytes) -> None:
-        """Write ``data`` under ``key`` atomically; fail if the key exists (race)."""
+        """Write ``data`` under ``key`` atomically (whole or not at all).
+
+        Immutability is checked before this write, not by it: two writers racing on one
+        key could both pass the check. The services never do that: every attempt at a
+        version writes under its own attempt-unique prefix (``marlaas.adapters``).
+        """
 
     @abc.abstractmethod
     def exists(self, key: str) -> bool: ...

@@ -95,8 +95,8 @@ class Manager:
         except TaskError as exc:
             raise api.SubmitError(str(exc)) from exc
         g = msgspec.structs.replace(g, max_new_tokens=g.max_new_tokens or task.max_new_tokens)
-        prompt_tokens = max(len(self.tokenizer.encode(p["prompt"], add_special_tokens=False))
-                            for p in task.problems(16, request.seed))
+        prompt_tokens = max(len(self.tokenizer.encode(prompt, add_special_tokens=False))
+                            for prompt in task.longest_prompts())
         if prompt_tokens + g.max_new_tokens > rc.max_model_len:
             raise api.SubmitError(
                 f"prompt ({prompt_tokens} tokens) + grpo.max_new_tokens ({g.max_new_tokens}) exceeds "
@@ -164,8 +164,8 @@ class Manager:
             except StaleRevision:
                 pass  # a previous manager run committed v0 already
         committed = COMMITTED.decode((await self.bus.kv_get(VERSIONS_BUCKET, spec.id)).value)
+        await announce(self.bus, committed)  # before "running": a crash in between re-admits
         await self.transition(spec.id, JobState.RUNNING, admitted_at=time.time())
-        await announce(self.bus, committed)
         log.info("job admitted", job=spec.id)
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -225,6 +225,9 @@ class Manager:
                                            first_commit_at=first, last_commit_at=event.committed_at)
 
         record = await self.update(event.job, change)
+        if record is None:  # a repeat: still finish what a crash may have left unfinished
+            entry = await self.bus.kv_get(JOBS_BUCKET, event.job)
+            record = JOB_RECORD.decode(entry.value) if entry else None
         if record is not None and record.version >= record.spec.steps:
             await self.transition(event.job, JobState.COMPLETED)
 

@@ -18,13 +18,13 @@ import structlog
 
 from marlaas.adapters import attempt_prefix, materialize
 from marlaas.bus import Bus, Delivery, PoisonMessage
-from marlaas.commits import read_job
+from marlaas.commits import read_job, report_failure
 from marlaas.events import (
-    POLICY, REWARD, JobFailureReported, JobSpec, PolicyCommitted, RewardItem, RewardRequest,
+    JOB, POLICY, REWARD, EventDecodeError, JobSpec, JobStateChanged, PolicyCommitted, RewardItem, RewardRequest,
     Sample, TrajectoryBatch, TrajectoryReady, encode,
 )
 from marlaas.runtime import Runtime
-from marlaas.tasks import Task, get_task
+from marlaas.tasks import Task, TaskError, get_task
 from marlaas.telemetry import span
 from services.rollout.engine import Completion, PolicyEngine
 
@@ -63,7 +63,10 @@ class Rollout:
 
     def task_of(self, spec: JobSpec) -> Task:
         if spec.id not in self.tasks:
-            self.tasks[spec.id] = get_task(spec.task, spec.dataset)
+            try:
+                self.tasks[spec.id] = get_task(spec.task, spec.dataset)
+            except TaskError as exc:  # e.g. the dataset file went away since submission
+                raise PoisonMessage(str(exc)) from exc
         return self.tasks[spec.id]
 
     async def handle(self, delivery: Delivery) -> None:
@@ -74,19 +77,33 @@ class Rollout:
             raise PoisonMessage(f"policy-committed for unknown job {job}")
         record, spec = state.record, state.record.spec
         if record.state.finished or version >= spec.steps:
-            self.tasks.pop(job, None)
-            shutil.rmtree(self.cache_dir / job, ignore_errors=True)
-            return await self.engine.drop_job(job)
+            return await self.forget(job)
         if state.committed.version != version:
             return  # an old announcement (redelivered): a newer version already exists
         async with delivery.keep_alive():
-            try:
-                batch = await self.sample_batch(spec, event)
-            except PoisonMessage as exc:  # the job's own fault (its task, its data): fail the job only
-                await self.bus.publish(f"marlaas.job.failure.{job}", encode(JobFailureReported(
-                    job=job, service=SERVICE, reason=str(exc), version=version)))
-                raise
+            batch = await self.sample_batch(spec, event)
             await self.publish(spec, version, batch)
+
+    async def forget(self, job: str) -> None:
+        """Free what a finished job held: its engine adapter, task and adapter cache."""
+        self.tasks.pop(job, None)
+        await self.engine.drop_job(job)
+        await asyncio.to_thread(shutil.rmtree, self.cache_dir / job, True)
+
+    async def on_job_state(self, msg) -> None:
+        """Cancelled or failed jobs get no further announcement: free them when their state says so."""
+        try:
+            event = JOB.decode(msg.data)
+        except EventDecodeError:
+            return
+        if isinstance(event, JobStateChanged) and event.state.finished:
+            await self.forget(event.job)
+
+    async def give_up(self, delivery: Delivery, exc: Exception) -> None:
+        """An announcement that failed every attempt (or was poison): fail its job, not the service."""
+        event = POLICY.decode(delivery.data)
+        await report_failure(self.bus, event.job, SERVICE,
+                             f"sampling version {event.version} failed: {exc}", event.version)
 
     async def sample_batch(self, spec: JobSpec, event: PolicyCommitted) -> TrajectoryBatch:
         task, grpo, version = self.task_of(spec), spec.grpo, event.version
@@ -140,8 +157,10 @@ async def run(rt: Runtime) -> None:
     rollout = Rollout(rt, engine)
     rt.ready()
     log.info("ready", base_model=str(rt.config.base_model_dir))
+    await rt.bus.nc.subscribe("marlaas.job.state.>", cb=rollout.on_job_state)
     try:
         await rt.bus.consume("POLICY", "rollout", "marlaas.policy.committed.>", rollout.handle,
-                             stop=rt.stop, ack_wait_s=60.0, concurrency=rt.config.rollout.concurrency)
+                             stop=rt.stop, ack_wait_s=60.0, concurrency=rt.config.rollout.concurrency,
+                             on_give_up=rollout.give_up)
     finally:
         engine.shutdown()

@@ -48,7 +48,6 @@ class HotJob:
     slot: str
     version: int
     optimizer: torch.optim.AdamW
-    lr: float
     params: list[torch.nn.Parameter] = field(default_factory=list)
 
 
@@ -97,11 +96,15 @@ class PolicyTrainer:
             self.model.add_adapter(slot, config)
             while self._parked:
                 self.model.delete_adapter(self._parked.pop())
-        state = {k: v.to(self.device) for k, v in load_safetensors(weights).items()}
-        result = set_peft_model_state_dict(self.model, state, adapter_name=slot)
-        missing = [k for k in result.missing_keys if "lora_" in k and f".{slot}." in k]
-        if missing:
-            raise ValueError(f"adapter for {job} v{version} lacks weights: {missing[:3]}")
+        try:
+            state = {k: v.to(self.device) for k, v in load_safetensors(weights).items()}
+            result = set_peft_model_state_dict(self.model, state, adapter_name=slot)
+            missing = [k for k in result.missing_keys if "lora_" in k and f".{slot}." in k]
+            if missing:
+                raise ValueError(f"adapter for {job} v{version} lacks weights: {missing[:3]}")
+        except BaseException:
+            self._parked.append(slot)  # drop the half-loaded slot with the next load
+            raise
         params = [p for n, p in self.model.named_parameters() if f".{slot}." in n]
         for p in params:
             p.requires_grad_(True)
@@ -109,7 +112,7 @@ class PolicyTrainer:
                                       weight_decay=settings.weight_decay)
         if optimizer_state:
             optimizer.load_state_dict(torch.load(io.BytesIO(optimizer_state), weights_only=True))
-        self.hot[job] = HotJob(slot, version, optimizer, settings.learning_rate, params)
+        self.hot[job] = HotJob(slot, version, optimizer, params)
         while len(self.hot) > self.max_hot:
             self.evict(next(iter(self.hot)))
 

@@ -17,10 +17,10 @@ import time
 import structlog
 
 from marlaas.adapters import attempt_prefix, read_adapter, write_adapter
-from marlaas.commits import announce, read_job
+from marlaas.commits import announce, read_job, report_failure
 from marlaas.bus import VERSIONS_BUCKET, Bus, Delivery, StaleRevision
 from marlaas.events import (
-    BATCH, COMMITTED, TRAJECTORY, CommittedVersion, JobFailureReported, JobSpec,
+    BATCH, COMMITTED, TRAJECTORY, CommittedVersion, JobSpec,
     TrajectoryBatch, TrajectoryReady, encode,
 )
 from marlaas.runtime import Runtime
@@ -80,16 +80,26 @@ class Trainer:
         log.info("trained", job=job, version=version, batch_id=event.batch_id,
                  reward=round(result.metrics["reward/mean"], 4), loss=round(result.metrics["loss"], 4))
 
+        latest = await read_job(self.bus, job)
+        if latest is None or latest.record.state.finished:  # cancelled while it trained
+            self.policy.evict(job)
+            log.info("job finished during training; update discarded", job=job, version=version)
+            return await delivery.term()
         async with span(self.bus, SERVICE, "commit", job, version + 1):
-            new = await asyncio.to_thread(self._write, committed, result, event.batch_id)
             try:
+                new = await asyncio.to_thread(self._write, committed, result, event.batch_id)
                 await self.bus.kv_update(VERSIONS_BUCKET, job, encode(new), state.revision)
             except StaleRevision:
                 self.policy.evict(job)  # someone else committed v+1: our result is an orphan
                 log.warning("lost the commit race; batch terminated", job=job, version=version + 1)
                 return await delivery.term()
+            except BaseException:
+                self.policy.evict(job)  # the in-memory v+1 was never committed: never train on it
+                raise
             await announce(self.bus, new)
         await delivery.ack()
+        if event.batch_ref is not None:  # the batch is trained and committed: its blob is garbage
+            await asyncio.to_thread(self.store.delete, self.store.key_of(event.batch_ref.uri))
 
     def _train(self, committed: CommittedVersion, batch: TrajectoryBatch, spec: JobSpec) -> StepResult:
         """Load the job if it is cold (or at another version), then one GRPO step."""
@@ -111,8 +121,14 @@ class Trainer:
 
     async def _fail(self, job: str, version: int, reason: str) -> None:
         log.error("job failed", job=job, version=version, reason=reason)
-        event = JobFailureReported(job=job, service=SERVICE, reason=reason, version=version)
-        await self.bus.publish(f"marlaas.job.failure.{job}", encode(event))
+        await report_failure(self.bus, job, SERVICE, reason, version)
+
+    async def give_up(self, delivery: Delivery, exc: Exception) -> None:
+        """A batch that failed every attempt (or was poison): fail its job rather than stall it."""
+        event = TRAJECTORY.decode(delivery.data)
+        self.policy.evict(event.job)
+        await self._fail(event.job, event.version,
+                         f"batch {event.batch_id} failed after {delivery.num_delivered} attempts: {exc}")
 
 
 async def run(rt: Runtime) -> None:
@@ -133,4 +149,4 @@ async def run(rt: Runtime) -> None:
     rt.ready()
     log.info("ready", device=cfg.trainer.device, base_model=str(cfg.base_model_dir))
     await rt.bus.consume("TRAJ", "trainer", "marlaas.trajectory.ready.>", trainer.handle,
-                         stop=rt.stop, ack_wait_s=60.0, concurrency=1)
+                         stop=rt.stop, ack_wait_s=60.0, concurrency=1, on_give_up=trainer.give_up)

@@ -312,3 +312,20 @@ async def test_kv_keys_lists_every_key_right_after_it_is_written(bus):
         await bus.kv_create("jobs", f"tenant.job-{i:02d}", b"{}")
         assert len(await bus.kv_keys("jobs")) == i + 1  # read-your-writes, every time
     assert await bus.kv_keys("jobs") == [f"tenant.job-{i:02d}" for i in range(20)]
+
+
+async def test_a_message_that_keeps_failing_is_given_up_after_max_deliver(bus):
+    await bus.publish("marlaas.job.failure.t.j", b"{}")
+    stop, given_up, attempts = asyncio.Event(), [], []
+
+    async def always_fails(delivery):
+        attempts.append(delivery.num_delivered)
+        raise RuntimeError("store unreachable")
+
+    async def give_up(delivery, exc):
+        given_up.append((delivery.num_delivered, str(exc)))
+        stop.set()
+
+    await asyncio.wait_for(bus.consume("JOBS", "giveup", "marlaas.job.failure.>", always_fails, stop=stop,
+                                       max_deliver=3, retry_delay_s=0.05, on_give_up=give_up), 30)
+    assert attempts == [1, 2, 3] and given_up == [(3, "store unreachable")]

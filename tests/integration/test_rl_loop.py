@@ -242,3 +242,27 @@ def test_a_stale_batch_is_terminated_not_trained(stack):
     trained = [s for s in run(all_spans(stack.nats_url)) if s.job == job and s.phase == "train"]
     assert all(s.attrs["batch_id"] != "stale-batch" for s in trained)
     assert sorted(s.version for s in trained) == list(range(len(trained)))  # each version once
+
+
+def test_a_job_whose_data_breaks_mid_run_fails_alone(stack, tmp_path):
+    """A fault that is the job's own (its dataset vanishes) fails that job with a reason; nothing crashes."""
+    import json
+
+    data = tmp_path / "math.jsonl"
+    data.write_text(json.dumps({"question": "What is 2 plus 3?", "answer": "#### 5"}) + "\n")
+
+    async def go():
+        client = await Client.connect(stack.nats_url)
+        job = await client.submit({"name": "breaks", "task": "gsm8k", "dataset": str(data), "steps": 3,
+                                   "grpo": {"max_new_tokens": 32, "prompts_per_step": 2, "group_size": 2}})
+        data.write_text("this is not JSON\n")  # the user overwrites their file while the job runs
+        (view,) = await client.wait([job], timeout_s=120)
+        healthy = await client.submit({"name": "after", "task": "addition", "steps": 1, "seed": 1})
+        (after,) = await client.wait([healthy], timeout_s=120)
+        await client.close()
+        return view, after
+
+    view, after = run(go())
+    assert view.state == "failed" and "math.jsonl" in view.reason, view
+    assert after.state == "completed"  # the services are still up and serving others
+    stack.check_alive()

@@ -31,7 +31,7 @@ def test_file_then_env_then_overrides(tmp_path):
         nats_url = "nats://from-file:4222"
         log_level = "debug"
         [manager]
-        schedule = "sync"
+        schedule = "async"
         [rollout]
         max_loras = 4
         kv_cache_gib = 2
@@ -115,5 +115,12 @@ def test_base_model_directory_resolves(tmp_path):
 
 
 def test_config_json_round_trip_for_child_processes():
-    config = load_config(overrides={"manager.schedule": "sync", "rollout.max_loras": 3}, env={})
+    config = load_config(overrides={"manager.schedule": "sequential", "rollout.max_loras": 3}, env={})
     assert read_config_json(dump_config(config)) == config
+
+
+def test_values_out_of_range_are_refused():
+    with pytest.raises(ConfigError, match="hot_adapters"):
+        load_config(overrides={"trainer.hot_adapters": 0}, env={})
+    with pytest.raises(ConfigError, match="schedule"):
+        load_config(overrides={"manager.schedule": "sync"}, env={})

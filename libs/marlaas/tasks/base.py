@@ -39,6 +39,10 @@ class Task(abc.ABC):
     def reward(self, problem: dict, completion: str) -> float:
         """Judge ``completion`` against ``problem``; a value in [0, 1]."""
 
+    def longest_prompts(self) -> list[str]:
+        """Prompts to size the KV cache by: a sample here; every prompt for a finite dataset."""
+        return [p["prompt"] for p in self.problems(64, seed=0)]
+
     def problems(self, n: int, seed: int) -> list[dict]:
         """``n`` problems drawn deterministically from ``seed``."""
         rng = random.Random(seed)

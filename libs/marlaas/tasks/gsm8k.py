@@ -60,10 +60,16 @@ class Gsm8k(Task):
         super().__init__(dataset)
         self.items = load_jsonl(Path(dataset))
 
+    @staticmethod
+    def prompt(item: dict) -> str:
+        return f"Question: {item['question']}\nThink step by step, then end with '#### <number>'.\nAnswer:"
+
     def sample_problem(self, rng: random.Random) -> dict:
         item = rng.choice(self.items)
-        prompt = f"Question: {item['question']}\nThink step by step, then end with '#### <number>'.\nAnswer:"
-        return {"prompt": prompt, "answer": item["answer"]}
+        return {"prompt": self.prompt(item), "answer": item["answer"]}
+
+    def longest_prompts(self) -> list[str]:
+        return [self.prompt(item) for item in self.items]
 
     def reward(self, problem: dict, completion: str) -> float:
         got = final_answer(completion)
