@@ -194,10 +194,6 @@ class Bus:
         ack = await self.js.publish(subject, data, headers=headers)
         return not ack.duplicate
 
-    async def emit(self, subject: str, data: bytes) -> None:
-        """Core publish (no persistence), for notifications nobody must receive."""
-        await self.nc.publish(subject, data)
-
     async def request(self, subject: str, data: bytes, timeout_s: float = 10.0) -> bytes:
         """Core request/reply; raises ``TimeoutError`` when nobody answers in time."""
         try:
@@ -376,7 +372,3 @@ class Bus:
         finally:
             slots.release()
 
-
-def now() -> float:
-    """Wall-clock seconds; every timestamp on the wire uses this."""
-    return time.time()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
+import importlib
 import os
 import signal
 from collections.abc import Awaitable, Callable
@@ -44,13 +45,15 @@ def parse_config(name: str, argv: list[str] | None = None) -> Config:
     return load_config(args.config)
 
 
-def run_service(name: str, main: Callable[[Runtime], Awaitable[None]], argv: list[str] | None = None) -> None:
-    """Entry point body: parse config, set up logging, run ``main`` until SIGINT/SIGTERM."""
+def run_service(name: str, argv: list[str] | None = None) -> None:
+    """Entry point body: parse config, set up logging, import ``services.<name>.service`` (the
+    heavy imports: torch, vLLM) and run its ``run`` until SIGINT/SIGTERM."""
     config = parse_config(name, argv)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     log = setup_logging(name, config.log_format, config.log_level)
     if not config.nats_url:
         raise SystemExit(f"{name}: nats_url is not set (use `marlaas up`, or set MARLAAS_NATS_URL)")
+    main: Callable[[Runtime], Awaitable[None]] = importlib.import_module(f"services.{name}.service").run
 
     async def amain() -> None:
         stop = asyncio.Event()

@@ -2,12 +2,5 @@
 
 from marlaas.runtime import run_service
 
-
-def main() -> None:
-    from services.rollout.service import run  # heavy imports happen after config and logging
-
-    run_service("rollout", run)
-
-
 if __name__ == "__main__":
-    main()
+    run_service("rollout")
