@@ -44,10 +44,10 @@ def cmd_up(args, config) -> int:
         _print_json(info)
     else:
         console.print(f"marlaas is up: NATS {info['nats_url']}, store {info['store']}, "
-                      f"logs in {stack.home / 'logs'}. Ctrl-C stops it.")
+                      f"logs in {stack.home / 'logs'}. Crashed services are restarted; Ctrl-C stops it.")
     try:
         while True:
-            stack.check_alive()
+            stack.supervise()  # a crashed service comes back; the state it needs is in NATS
             time.sleep(1.0)
     except KeyboardInterrupt:
         console.print("stopping...")

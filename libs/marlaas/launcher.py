@@ -117,6 +117,16 @@ class Stack:
                 tail = (self.home / "logs" / f"{name}.log").read_text(errors="replace")[-2000:]
                 raise StackError(f"service {name} exited with code {proc.returncode}:\n{tail}")
 
+    def supervise(self) -> list[str]:
+        """Restart every service that exited (a crash, a dead engine); return their names."""
+        restarted = []
+        for name, proc in list(self.procs.items()):
+            if proc.poll() is not None:
+                log.warning("service exited; restarting it", service=name, code=proc.returncode)
+                self._spawn(name)
+                restarted.append(name)
+        return restarted
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the services in reverse start order (each drains), then stop the broker."""
         for name in reversed(list(self.procs)):

@@ -52,31 +52,43 @@ class PolicyEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self._ids = itertools.count(1)
         self._loaded: dict[str, tuple[int, object]] = {}  # job -> (version, LoRARequest)
-        self._locks: dict[str, asyncio.Lock] = {}
         self.eos_token_id = self.tokenizer.eos_token_id
 
     async def use_adapter(self, job: str, version: int, adapter_dir: Path):
-        """The LoRARequest for (job, version): a fresh name and int id; the old version is dropped."""
+        """The LoRARequest for (job, version): a fresh name and int id; the old version is dropped.
+
+        The caller serializes calls per job (and keeps ``adapter_dir`` in place while vLLM loads it).
+        """
         from vllm.lora.request import LoRARequest
 
-        async with self._locks.setdefault(job, asyncio.Lock()):  # one load per (job, version)
-            current = self._loaded.get(job)
-            if current is not None and current[0] == version:
-                return current[1]
-            request = LoRARequest(f"{job}@v{version}", next(self._ids), str(adapter_dir))
-            await self.engine.add_lora(request)
-            self._loaded[job] = (version, request)
-            if current is not None:
-                await self.engine.remove_lora(current[1].lora_int_id)
-            return request
+        current = self._loaded.get(job)
+        if current is not None and current[0] == version:
+            return current[1]
+        request = LoRARequest(f"{job}@v{version}", next(self._ids), str(adapter_dir))
+        await self.engine.add_lora(request)
+        self._loaded[job] = (version, request)
+        if current is not None:
+            await self.engine.remove_lora(current[1].lora_int_id)
+        return request
 
     async def drop_job(self, job: str) -> None:
         """Unload a finished job's adapter."""
-        async with self._locks.setdefault(job, asyncio.Lock()):
-            current = self._loaded.pop(job, None)
-            if current is not None:
-                await self.engine.remove_lora(current[1].lora_int_id)
-        self._locks.pop(job, None)
+        current = self._loaded.pop(job, None)
+        if current is not None and not self.dead:
+            await self.engine.remove_lora(current[1].lora_int_id)
+
+    @property
+    def dead(self) -> bool:
+        """The engine core died (vLLM cannot recover it in-process)."""
+        return self.engine.errored
+
+    async def watch(self, stop: asyncio.Event, every_s: float = 1.0) -> None:
+        """Stop the service when the engine dies, so it exits and is restarted."""
+        while not stop.is_set():
+            if self.dead:
+                stop.set()
+                return
+            await asyncio.sleep(every_s)
 
     def encode_prompt(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False)

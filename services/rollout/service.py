@@ -51,6 +51,10 @@ def build_samples(problems: list[dict], prompt_ids: list[list[int]],
     return samples
 
 
+class EngineGone(Exception):
+    """The engine cannot serve anymore; the message is retried by the restarted replica."""
+
+
 class Rollout:
     """Turns policy announcements into trajectory batches."""
 
@@ -60,6 +64,8 @@ class Rollout:
         self.engine = engine
         self.cache_dir = rt.config.home_dir / "cache" / "adapters"
         self.tasks: dict[str, Task] = {}
+        self.adapter_locks: dict[str, asyncio.Lock] = {}
+        self.finished: set[str] = set()  # jobs forgotten: never load an adapter for them again
 
     def task_of(self, spec: JobSpec) -> Task:
         if spec.id not in self.tasks:
@@ -78,17 +84,41 @@ class Rollout:
         record, spec = state.record, state.record.spec
         if record.state.finished or version >= spec.steps:
             return await self.forget(job)
+        if self.engine.dead:  # vLLM's engine core died: exit, so the supervisor restarts this replica
+            raise EngineGone("the vLLM engine is dead")
         if state.committed.version != version:
             return  # an old announcement (redelivered): a newer version already exists
         async with delivery.keep_alive():
             batch = await self.sample_batch(spec, event)
-            await self.publish(spec, version, batch)
+            if batch is not None:
+                await self.publish(spec, version, batch)
 
     async def forget(self, job: str) -> None:
         """Free what a finished job held: its engine adapter, task and adapter cache."""
-        self.tasks.pop(job, None)
-        await self.engine.drop_job(job)
-        await asyncio.to_thread(shutil.rmtree, self.cache_dir / job, True)
+        async with self._lock(job):
+            self.finished.add(job)
+            self.tasks.pop(job, None)
+            await self.engine.drop_job(job)
+            await asyncio.to_thread(shutil.rmtree, self.cache_dir / job, True)
+
+    def _lock(self, job: str) -> asyncio.Lock:
+        """Serializes a job's adapter loads and its cleanup: vLLM must never be handed a
+        directory that is being deleted (a failed adapter load kills the whole engine)."""
+        return self.adapter_locks.setdefault(job, asyncio.Lock())
+
+    async def load_adapter(self, job: str, version: int, event: PolicyCommitted):
+        """The LoRARequest for (job, version), or None once the job is finished."""
+        async with self._lock(job):
+            if job in self.finished:
+                return None
+            job_dir = self.cache_dir / job
+            adapter_dir = job_dir / f"v{version:06d}"
+            await asyncio.to_thread(materialize, self.store, event.adapter, adapter_dir)
+            lora = await self.engine.use_adapter(job, version, adapter_dir)
+            for old in job_dir.iterdir():  # the engine holds older versions no more
+                if old != adapter_dir:
+                    await asyncio.to_thread(shutil.rmtree, old, True)
+            return lora
 
     async def on_job_state(self, msg) -> None:
         """Cancelled or failed jobs get no further announcement: free them when their state says so."""
@@ -105,14 +135,12 @@ class Rollout:
         await report_failure(self.bus, event.job, SERVICE,
                              f"sampling version {event.version} failed: {exc}", event.version)
 
-    async def sample_batch(self, spec: JobSpec, event: PolicyCommitted) -> TrajectoryBatch:
+    async def sample_batch(self, spec: JobSpec, event: PolicyCommitted) -> TrajectoryBatch | None:
+        """The job's next GRPO batch with version ``event.version``; None if the job just finished."""
         task, grpo, version = self.task_of(spec), spec.grpo, event.version
-        job_dir = self.cache_dir / spec.id
-        adapter_dir = await asyncio.to_thread(materialize, self.store, event.adapter, job_dir / f"v{version:06d}")
-        lora = await self.engine.use_adapter(spec.id, version, adapter_dir)
-        for old in job_dir.iterdir():  # the engine holds older versions no more
-            if old != adapter_dir:
-                shutil.rmtree(old, ignore_errors=True)
+        lora = await self.load_adapter(spec.id, version, event)
+        if lora is None:
+            return None
         seed = batch_seed(spec, version)
         problems = task.problems(grpo.prompts_per_step, seed)
         prompt_ids = [self.engine.encode_prompt(p["prompt"]) for p in problems]
@@ -158,9 +186,14 @@ async def run(rt: Runtime) -> None:
     rt.ready()
     log.info("ready", base_model=str(rt.config.base_model_dir))
     await rt.bus.nc.subscribe("marlaas.job.state.>", cb=rollout.on_job_state)
+    watchdog = asyncio.create_task(engine.watch(rt.stop))
     try:
         await rt.bus.consume("POLICY", "rollout", "marlaas.policy.committed.>", rollout.handle,
                              stop=rt.stop, ack_wait_s=60.0, concurrency=rt.config.rollout.concurrency,
                              on_give_up=rollout.give_up)
     finally:
+        watchdog.cancel()
+        dead = engine.dead
         engine.shutdown()
+    if dead:
+        raise SystemExit("rollout: the vLLM engine died; exiting so that this replica is restarted")

@@ -40,6 +40,14 @@ def test_up_serves_the_cli_and_ctrl_c_stops_every_process(tmp_path):
         assert watch.returncode == 0 and "tpts_s" in out  # the live table rendered, Ctrl-C ended it
         children = [int(p.name.rsplit("-", 1)[1]) for p in (tmp_path / "run" / "ready").iterdir()]
         assert len(children) == 4 and all(alive(pid) for pid in children)
+        env_pid = next(int(p.name.rsplit("-", 1)[1]) for p in (tmp_path / "run" / "ready").glob("env-*"))
+        os.kill(env_pid, signal.SIGKILL)  # a crashed service is restarted by `up`
+        deadline = time.monotonic() + 60
+        while len(list((tmp_path / "run" / "ready").glob("env-*"))) < 2:
+            assert time.monotonic() < deadline, "env was not restarted"
+            time.sleep(0.2)
+        children = [int(p.name.rsplit("-", 1)[1]) for p in (tmp_path / "run" / "ready").iterdir()]
+        children = [pid for pid in children if pid != env_pid]
     finally:
         up.send_signal(signal.SIGINT)
         code = up.wait(timeout=120)
