@@ -57,6 +57,7 @@ class Manager:
         self.bytes_per_token = kv_bytes_per_token(self.model_dir, config.rollout.dtype)
         self.budget_bytes = int(config.manager.kv_budget_gib * 2**30)
         self._admission = asyncio.Lock()
+        self._waiting = True  # jobs may be queued, or the last admission pass failed
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -132,14 +133,18 @@ class Manager:
     async def try_admission(self) -> None:
         """Admit what fits; a failure (store or broker down) is logged and retried by :meth:`keep_admitting`."""
         try:
-            await self.admit_queued()
+            self._waiting = await self.admit_queued()
         except Exception:
+            self._waiting = True
             log.exception("admission pass failed; will retry")
 
     async def keep_admitting(self, stop: asyncio.Event, every_s: float = 2.0) -> None:
-        """A periodic admission pass, so queued jobs never wait on an event that was missed."""
+        """Repeat the admission pass while jobs wait or a pass failed (submits and finishes
+        trigger one themselves), so the registry is not re-read when nothing can change."""
+        self._waiting = True  # a restarted manager picks up where the last one left off
         while not stop.is_set():
-            await self.try_admission()
+            if self._waiting:
+                await self.try_admission()
             try:
                 await asyncio.wait_for(stop.wait(), every_s)
             except TimeoutError:
@@ -147,11 +152,15 @@ class Manager:
 
     # --- admission and version 0 --------------------------------------------------------------
 
-    async def admit_queued(self) -> None:
+    async def admit_queued(self) -> bool:
+        """Admit the queued jobs that fit; return whether any job is left waiting."""
         async with self._admission:
             records = await self.records()
-            for job in to_admit(records, self.budget_bytes, self.config.manager.schedule):
+            admitted = to_admit(records, self.budget_bytes, self.config.manager.schedule)
+            for job in admitted:
                 await self.admit(next(r for r in records if r.spec.id == job).spec)
+            queued = sum(r.state is JobState.QUEUED for r in records)
+            return queued > len(admitted)
 
     async def admit(self, spec: JobSpec) -> None:
         """Commit version 0 (seeded LoRA init), then mark the job running."""

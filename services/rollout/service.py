@@ -38,17 +38,16 @@ def batch_seed(spec: JobSpec, version: int) -> int:
     return zlib.crc32(f"{spec.id}:{spec.seed}:{version}".encode()) & 0x7FFFFFFF
 
 
-def build_samples(problems: list[dict], prompt_ids: list[list[int]],
-                  groups: list[list[Completion]], rewards: list[float]) -> list[Sample]:
+def build_samples(prompt_ids: list[list[int]], groups: list[list[Completion]],
+                  rewards: list[float]) -> list[Sample]:
     """Flatten GRPO groups into samples; ``rewards`` is in the same flattened order."""
-    samples, k = [], 0
-    for g, (problem, ids, completions) in enumerate(zip(problems, prompt_ids, groups)):
-        for c in completions:
-            samples.append(Sample(group=g, prompt_ids=ids, completion_ids=c.token_ids,
-                                  logprobs=c.logprobs, loss_mask=[1] * len(c.token_ids),
-                                  reward=rewards[k], text=c.text))
-            k += 1
-    return samples
+    reward = iter(rewards)
+    return [
+        Sample(group=g, prompt_ids=ids, completion_ids=c.token_ids, logprobs=c.logprobs,
+               loss_mask=[1] * len(c.token_ids), reward=next(reward), text=c.text)
+        for g, (ids, completions) in enumerate(zip(prompt_ids, groups))
+        for c in completions
+    ]
 
 
 class EngineGone(Exception):
@@ -152,7 +151,7 @@ class Rollout:
             attrs["tokens"] = sum(len(c.token_ids) for g in groups for c in g)
         async with span(self.bus, SERVICE, "reward", spec.id, version):
             rewards = await self.rewards(spec, problems, groups)
-        return TrajectoryBatch(samples=build_samples(problems, prompt_ids, groups, rewards))
+        return TrajectoryBatch(samples=build_samples(prompt_ids, groups, rewards))
 
     async def rewards(self, spec: JobSpec, problems: list[dict], groups: list[list[Completion]]) -> list[float]:
         items = [RewardItem(problem=p, completion=c.text) for p, g in zip(problems, groups) for c in g]

@@ -23,7 +23,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from transformers import AutoModelForCausalLM
 
-from marlaas.adapters import CONFIG_FILE, WEIGHTS_FILE
+from marlaas.adapters import CONFIG_FILE
 from marlaas.events import GrpoSettings, TrajectoryBatch
 from services.trainer.grpo import group_advantages, grpo_loss, token_logprobs
 

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import re
+import json
 import statistics
+import subprocess
+import sys
 import time
 
 import pytest
@@ -169,13 +173,9 @@ def test_cancel_stops_a_running_job(stack):
 
 def cli(stack, *args: str) -> tuple[int, dict]:
     """Run the real ``marlaas`` CLI against the running stack; parse its --json output."""
-    import json
-    import subprocess
-    import sys
-
     proc = subprocess.run(
         [sys.executable, "-m", "marlaas.cli", "--home", str(stack.home), *args, "--json"],
-        capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "MARLAAS_NATS_URL": ""},
+        capture_output=True, text=True, timeout=120, env={**os.environ, "MARLAAS_NATS_URL": ""},
     )
     return proc.returncode, json.loads(proc.stdout)
 
@@ -245,9 +245,7 @@ def test_a_stale_batch_is_terminated_not_trained(stack):
 
 
 def test_a_job_whose_data_breaks_mid_run_fails_alone(stack, tmp_path):
-    """A fault that is the job's own (its dataset vanishes) fails that job with a reason; nothing crashes."""
-    import json
-
+    """A fault that is the job's own (its dataset is overwritten mid-run) fails that job alone, with a reason."""
     data = tmp_path / "math.jsonl"
     data.write_text(json.dumps({"question": "What is 2 plus 3?", "answer": "#### 5"}) + "\n")
 

@@ -1,6 +1,5 @@
 """Job submissions from TOML files and CLI flags: unknown keys and bad types fail loudly."""
 
-import argparse
 
 import pytest
 
