@@ -101,23 +101,22 @@ class Rollout:
             await asyncio.to_thread(shutil.rmtree, self.cache_dir / job, True)
 
     def _lock(self, job: str) -> asyncio.Lock:
-        """Serializes a job's adapter loads and its cleanup: vLLM must never be handed a
-        directory that is being deleted (a failed adapter load kills the whole engine)."""
+        """Serializes a job's adapter load + generation with its cleanup: vLLM must never find an
+        adapter directory deleted under a request (a failed adapter load kills the whole engine)."""
         return self.adapter_locks.setdefault(job, asyncio.Lock())
 
     async def load_adapter(self, job: str, version: int, event: PolicyCommitted):
-        """The LoRARequest for (job, version), or None once the job is finished."""
-        async with self._lock(job):
-            if job in self.finished:
-                return None
-            job_dir = self.cache_dir / job
-            adapter_dir = job_dir / f"v{version:06d}"
-            await asyncio.to_thread(materialize, self.store, event.adapter, adapter_dir)
-            lora = await self.engine.use_adapter(job, version, adapter_dir)
-            for old in job_dir.iterdir():  # the engine holds older versions no more
-                if old != adapter_dir:
-                    await asyncio.to_thread(shutil.rmtree, old, True)
-            return lora
+        """The LoRARequest for (job, version), or None once the job is finished. Call with the job's lock."""
+        if job in self.finished:
+            return None
+        job_dir = self.cache_dir / job
+        adapter_dir = job_dir / f"v{version:06d}"
+        await asyncio.to_thread(materialize, self.store, event.adapter, adapter_dir)
+        lora = await self.engine.use_adapter(job, version, adapter_dir)
+        for old in job_dir.iterdir():  # the engine holds older versions no more
+            if old != adapter_dir:
+                await asyncio.to_thread(shutil.rmtree, old, True)
+        return lora
 
     async def on_job_state(self, msg) -> None:
         """Cancelled or failed jobs get no further announcement: free them when their state says so."""
@@ -137,18 +136,21 @@ class Rollout:
     async def sample_batch(self, spec: JobSpec, event: PolicyCommitted) -> TrajectoryBatch | None:
         """The job's next GRPO batch with version ``event.version``; None if the job just finished."""
         task, grpo, version = self.task_of(spec), spec.grpo, event.version
-        lora = await self.load_adapter(spec.id, version, event)
-        if lora is None:
-            return None
         seed = batch_seed(spec, version)
         problems = task.problems(grpo.prompts_per_step, seed)
         prompt_ids = [self.engine.encode_prompt(p["prompt"]) for p in problems]
-        async with span(self.bus, SERVICE, "generate", spec.id, version) as attrs:
-            groups = await self.engine.sample_many(
-                prompt_ids, grpo.group_size, grpo.max_new_tokens, grpo.temperature, lora, seed
-            )
-            attrs["completions"] = sum(len(g) for g in groups)
-            attrs["tokens"] = sum(len(c.token_ids) for g in groups for c in g)
+        # vLLM may (re)load an adapter from its directory whenever a request uses it, so the
+        # job's cleanup (forget) waits until its generation is done
+        async with self._lock(spec.id):
+            lora = await self.load_adapter(spec.id, version, event)
+            if lora is None:
+                return None
+            async with span(self.bus, SERVICE, "generate", spec.id, version) as attrs:
+                groups = await self.engine.sample_many(
+                    prompt_ids, grpo.group_size, grpo.max_new_tokens, grpo.temperature, lora, seed
+                )
+                attrs["completions"] = sum(len(g) for g in groups)
+                attrs["tokens"] = sum(len(c.token_ids) for g in groups for c in g)
         async with span(self.bus, SERVICE, "reward", spec.id, version):
             rewards = await self.rewards(spec, problems, groups)
         return TrajectoryBatch(samples=build_samples(prompt_ids, groups, rewards))
