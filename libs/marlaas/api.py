@@ -19,6 +19,11 @@ STATUS = "marlaas.api.status"
 CANCEL = "marlaas.api.cancel"
 
 
+# sampling settings vLLM has but the trainer could not reproduce when it scores a batch
+UNREPRODUCIBLE_SAMPLING = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                           "frequency_penalty")
+
+
 class SubmitError(ValueError):
     """A job submission that cannot be accepted; the message says what to fix."""
 
@@ -26,12 +31,14 @@ class SubmitError(ValueError):
 class SubmitRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What a user submits. ``grpo`` / ``lora`` override the defaults key by key."""
 
-    name: str
     task: str
     steps: int
+    name: str = ""  # "" = the task's name
     seed: int = 0
     tenant: str = "default"
     dataset: str | None = None
+    tools: list[str] | None = None  # None = the task's own tools; [] = none
+    reward: str = ""  # "<tenant>.<name>": a reward function you serve instead of the task's
     grpo: GrpoSettings = msgspec.field(default_factory=GrpoSettings)
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
 
@@ -42,6 +49,9 @@ def _check_keys(tree: Any, type_: type, where: str) -> None:
         return
     fields = {f.name: f for f in msgspec.structs.fields(type_)}
     for key, value in tree.items():
+        if key in UNREPRODUCIBLE_SAMPLING and where == "grpo.":
+            raise SubmitError(f"'grpo.{key}' is not supported: the trainer scores the full tempered "
+                              "distribution, so only grpo.temperature may shape sampling")
         if key not in fields:
             raise SubmitError(f"unknown field '{where}{key}'; known fields: {', '.join(sorted(fields))}")
         if key in ("grpo", "lora"):
@@ -82,6 +92,8 @@ class JobView(msgspec.Struct, kw_only=True):
     rewards: list[float]
     ttfs_s: float | None
     tpts_s: float | None
+    tools: list[str] = []
+    metrics: dict[str, list[float]] = {}  # agentic jobs: tool/* and episode/* figures per version
 
 
 def job_view(record: JobRecord) -> JobView:
@@ -89,7 +101,7 @@ def job_view(record: JobRecord) -> JobView:
     return JobView(id=spec.id, name=spec.name, tenant=spec.tenant, task=spec.task,
                    state=record.state.value, reason=record.reason, version=record.version,
                    steps=record.steps_done, target_steps=spec.steps, rewards=record.rewards,
-                   ttfs_s=record.ttfs_s, tpts_s=record.tpts_s)
+                   ttfs_s=record.ttfs_s, tpts_s=record.tpts_s, tools=list(spec.tools), metrics=record.metrics)
 
 
 class StatusReply(msgspec.Struct, kw_only=True):

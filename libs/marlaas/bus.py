@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import nats
@@ -34,6 +34,7 @@ log = structlog.get_logger("marlaas.bus")
 
 JOBS_BUCKET = "jobs"
 VERSIONS_BUCKET = "versions"
+TOOLS_BUCKET = "tools"
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,20 @@ STREAMS = (
     StreamSpec("TRAJ", ["marlaas.trajectory.>"], work_queue=True),
     StreamSpec("METRICS", ["marlaas.span.>"], max_age_s=7 * 24 * 3600),
 )
-BUCKETS = (JOBS_BUCKET, VERSIONS_BUCKET)
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    name: str
+    history: int = 8
+    ttl_s: float = 0.0  # 0 = keep forever; else an entry expires ttl_s after its last write
+
+
+BUCKETS = (
+    BucketSpec(JOBS_BUCKET),
+    BucketSpec(VERSIONS_BUCKET),
+    BucketSpec(TOOLS_BUCKET, history=1, ttl_s=30.0),  # tool servers re-announce as a heartbeat
+)
 
 
 class StaleRevision(Exception):
@@ -160,8 +174,14 @@ class Bus:
 
     # --- topology ------------------------------------------------------------------------
 
-    async def ensure_topology(self, duplicate_window_s: float = 300.0) -> None:
-        """Create the streams and KV buckets if missing; safe to call from every service."""
+    async def ensure_topology(
+        self, duplicate_window_s: float = 300.0, bucket_ttl_s: Mapping[str, float] | None = None
+    ) -> None:
+        """Create the streams and KV buckets if missing; safe to call from every service.
+
+        ``bucket_ttl_s`` overrides a bucket's entry TTL (tests shorten the tools registry's);
+        an existing bucket whose TTL differs is updated in place.
+        """
         for spec in STREAMS:
             config = StreamConfig(
                 name=spec.name, subjects=spec.subjects, storage=StorageType.FILE,
@@ -172,18 +192,31 @@ class Bus:
                 await self.js.add_stream(config)
             except nats.js.errors.BadRequestError:
                 await self.js.update_stream(config)
-        for bucket in BUCKETS:
-            await self._bucket(bucket)
+        for spec in BUCKETS:
+            ttl_s = (bucket_ttl_s or {}).get(spec.name, spec.ttl_s)
+            await self._bucket(spec.name)
+            await self._set_bucket_ttl(spec.name, ttl_s)
 
     async def _bucket(self, bucket: str):
         if bucket not in self._kv:
+            spec = next((b for b in BUCKETS if b.name == bucket), BucketSpec(bucket))
             try:
                 self._kv[bucket] = await self.js.key_value(bucket)
             except nats.js.errors.BucketNotFoundError:
-                self._kv[bucket] = await self.js.create_key_value(
-                    KeyValueConfig(bucket=bucket, history=8, storage=StorageType.FILE)
-                )
+                self._kv[bucket] = await self.js.create_key_value(KeyValueConfig(
+                    bucket=bucket, history=spec.history, ttl=spec.ttl_s or None,
+                    storage=StorageType.FILE,
+                ))
         return self._kv[bucket]
+
+    async def _set_bucket_ttl(self, bucket: str, ttl_s: float) -> None:
+        config = (await self.js.stream_info(f"KV_{bucket}")).config
+        if (config.max_age or 0.0) == ttl_s:
+            return
+        config.max_age = ttl_s or None
+        if ttl_s and (config.duplicate_window or 0.0) > ttl_s:  # the server refuses a window > max age
+            config.duplicate_window = ttl_s
+        await self.js.update_stream(config)
 
     # --- publish / request ---------------------------------------------------------------
 
@@ -270,6 +303,11 @@ class Bus:
             return await kv.update(key, value, last=revision)
         except nats.js.errors.KeyWrongLastSequenceError as exc:
             raise StaleRevision(f"{bucket}/{key} is no longer at revision {revision}") from exc
+
+    async def kv_put(self, bucket: str, key: str, value: bytes) -> int:
+        """Write ``key`` unconditionally (an upsert, e.g. a heartbeat); return the new revision."""
+        kv = await self._bucket(bucket)
+        return await kv.put(key, value)
 
     async def kv_keys(self, bucket: str) -> list[str]:
         """Every key ever written to ``bucket``, from the server's per-subject counts.

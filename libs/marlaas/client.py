@@ -1,16 +1,21 @@
-"""The Python SDK: submit, watch and cancel jobs through the manager's NATS API."""
+"""The Python SDK: submit, watch and cancel jobs through the manager's NATS API, follow a job's
+events, and pull its adapters."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import msgspec
 
 from marlaas import api
 from marlaas.bus import Bus
-from marlaas.events import JobState
+from nats.js.api import DeliverPolicy
+
+from marlaas.events import JOB, POLICY, TRAJECTORY, JobState, JobStateChanged, PolicyCommitted, TrajectoryReady
 
 FINISHED = {s.value for s in JobState if s.finished}
 
@@ -22,13 +27,65 @@ class ApiError(RuntimeError):
 class Client:
     """A user's handle on a running marlaas."""
 
-    def __init__(self, bus: Bus, tenant: str = "") -> None:
+    def __init__(self, bus: Bus, tenant: str = "", store_url: str = "") -> None:
         self.bus = bus
         self.tenant = tenant
+        self.store_url = store_url
 
     @classmethod
-    async def connect(cls, nats_url: str, tenant: str = "", timeout_s: float = 10.0) -> Client:
-        return cls(await Bus.connect(nats_url, name="marlaas-client", timeout_s=timeout_s), tenant)
+    async def connect(cls, nats_url: str, tenant: str = "", timeout_s: float = 10.0,
+                      store_url: str = "") -> Client:
+        """Connect to the broker; ``store_url`` (the stack's object store) is needed only to pull adapters."""
+        return cls(await Bus.connect(nats_url, name="marlaas-client", timeout_s=timeout_s), tenant, store_url)
+
+    async def events(self, job: str, replay: bool = True, until_finished: bool = True,
+                     ) -> AsyncIterator[PolicyCommitted | JobStateChanged | TrajectoryReady]:
+        """A job's events as they happen: policy-committed and state changes (replayed from the
+        start when ``replay``, then live), and trajectory-ready (live only: the trainer's work
+        queue deletes a batch once trained). Ends after the job's final state if ``until_finished``."""
+        queue: asyncio.Queue = asyncio.Queue()
+        deliver = DeliverPolicy.ALL if replay else DeliverPolicy.NEW
+
+        async def put(msg) -> None:
+            await queue.put(msg.subject)
+            await queue.put(msg.data)
+
+        subs = [
+            await self.bus.js.subscribe(f"marlaas.policy.committed.{job}", cb=put, ordered_consumer=True,
+                                        deliver_policy=deliver),
+            await self.bus.js.subscribe(f"marlaas.job.state.{job}", cb=put, ordered_consumer=True,
+                                        deliver_policy=deliver),
+            await self.bus.nc.subscribe(f"marlaas.trajectory.ready.{job}", cb=put),
+        ]
+        seen_version, final_version = -1, None  # the two streams interleave: finish after both ends
+        try:
+            while final_version is None or seen_version < final_version:
+                subject, data = await queue.get(), await queue.get()
+                if subject.startswith("marlaas.policy."):
+                    event = POLICY.decode(data)
+                    seen_version = max(seen_version, event.version)
+                    yield event
+                elif subject.startswith("marlaas.trajectory."):
+                    yield TRAJECTORY.decode(data)
+                else:
+                    event = JOB.decode(data)
+                    yield event
+                    if until_finished and isinstance(event, JobStateChanged) and event.state.finished:
+                        (view,) = await self.status(job)
+                        final_version = view.version
+        finally:
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+
+    async def pull_adapter(self, event: PolicyCommitted, dest: str | Path) -> Path:
+        """Copy a committed version's adapter (a PEFT directory) to ``dest``, its sha256 verified."""
+        if not self.store_url:
+            raise ApiError("pulling adapters needs the stack's object store: Client.connect(..., store_url=...)")
+        from marlaas.adapters import materialize
+        from marlaas.store import open_store
+
+        return await asyncio.to_thread(materialize, open_store(self.store_url), event.adapter, Path(dest))
 
     async def close(self) -> None:
         await self.bus.close()

@@ -31,17 +31,47 @@ class RolloutConfig(Section):
     dtype: str = "float32"
     concurrency: int = 16  # jobs sampled at once by one replica
     cpu_threads_bind: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND: cores the CPU engine's threads use
+    block_size: int = 0  # KV-cache block (tokens); 0 = the backend's (128 on CPU). Only full blocks are
+    # prefix-cached: a smaller block lets short multi-turn episodes re-enter from the cache
+    tool_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # a tool call's reply deadline
 
 
 class TrainerConfig(Section):
     device: Literal["cpu", "cuda", "npu"] = "cpu"
     hot_adapters: Annotated[int, msgspec.Meta(ge=1)] = 16  # jobs whose adapter + optimizer stay in memory
+    micro_batch_tokens: Annotated[int, msgspec.Meta(ge=1)] = 4096  # padded tokens per forward/backward
     torch_threads: int = 0  # 0 = auto: on cpu, all cores but one (the engine's)
 
 
 class ManagerConfig(Section):
     kv_budget_gib: float = 1.0  # admission: estimated KV-cache bytes of running jobs must fit
     schedule: Literal["async", "sequential"] = "async"
+
+
+class EnvConfig(Section):
+    """The env service's built-in tools (``search``, ``calculator``, ``python``).
+
+    ``tool_latency_s`` injects latency for benchmarks: it maps a tool name (bare for a
+    built-in, e.g. ``"search"``) to a fixed delay in seconds (``2.0``) or to ``[low, high]``,
+    a delay drawn uniformly from that range for every call. The delay is an ``asyncio.sleep``
+    before the tool runs: it never holds up calls to other tools.
+    """
+
+    tool_latency_s: dict[str, float | list[float]] = {}
+    # wall clock (CPU seconds likewise); under rollout.tool_timeout_s, so a killed run is still reported
+    python_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    python_memory_mb: Annotated[int, msgspec.Meta(ge=64)] = 512  # address-space limit of the sandbox
+    search_corpus: str = ""  # a JSONL file of {"id", "title"?, "text"}; "" = the shipped corpus
+    search_top_k: Annotated[int, msgspec.Meta(ge=1, le=20)] = 3
+
+    def __post_init__(self) -> None:
+        for name, delay in self.tool_latency_s.items():
+            bounds = delay if isinstance(delay, list) else [delay, delay]
+            if len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1]:
+                raise ValueError(
+                    f"env.tool_latency_s[{name!r}] = {delay!r}: give seconds >= 0, or [low, high] "
+                    "with 0 <= low <= high"
+                )
 
 
 class Config(Section):
@@ -56,6 +86,7 @@ class Config(Section):
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     manager: ManagerConfig = msgspec.field(default_factory=ManagerConfig)
+    env: EnvConfig = msgspec.field(default_factory=EnvConfig)
 
     @property
     def home_dir(self) -> Path:

@@ -70,6 +70,9 @@ class JobSpec(Wire):
     steps: int
     seed: int = 0
     dataset: str | None = None  # a local JSONL path for tasks that take user data
+    tools: tuple[str, ...] = ()  # tools the model may call, as named in the spec ("search", "acme.weather")
+    tool_specs: tuple[ToolSpec, ...] = ()  # their registry entries when submitted: the prompt stays fixed
+    reward: str = ""  # "<tenant>.<name>": a user's reward function instead of the task's
     grpo: GrpoSettings = msgspec.field(default_factory=GrpoSettings)
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
     submitted_at: float = 0.0
@@ -159,6 +162,10 @@ class TrajectoryBatch(Wire):
     """One GRPO step's worth of samples, all drawn from one policy version."""
 
     samples: list[Sample]
+    # the adapter version the engine served while sampling, as rollout recorded it (-1: unknown);
+    # the audit compares it with the trainer's own record, independently of the trainer's check
+    policy_version: int = -1
+    metrics: dict[str, float] = {}  # rollout's per-batch figures (tool calls, turns, tool wait...)
 
 
 class TrajectoryReady(Event, tag="trajectory.ready"):
@@ -189,9 +196,38 @@ class ToolResult(Event, tag="tool.result"):
     call_id: str
     output: str = ""
     error: str = ""
+    elapsed_s: float = 0.0  # time the server spent on the call, injected latency included
 
 
 ToolEvent = ToolCall | ToolResult
+
+
+# --- tools registry: KV bucket "tools", key <namespace>.<tool> ----------------------------
+
+
+class ToolSpec(Wire):
+    """A served tool as the registry lists it; re-written by its servers as a heartbeat.
+
+    ``parameters`` is the JSON schema of the arguments object (an OpenAI function's
+    ``parameters``). Built-ins have namespace ``builtin`` and are named bare in a job spec
+    (``search``); a tenant's tool is named ``<tenant>.<tool>``.
+    """
+
+    name: str
+    namespace: str
+    description: str = ""
+    parameters: dict = {}
+    announced_at: float = 0.0
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.namespace}.{self.name}"
+
+    def function_schema(self, name: str | None = None) -> dict:
+        """The OpenAI / Hermes function schema (``apply_chat_template(tools=[...])``)."""
+        return {"type": "function", "function": {
+            "name": name or self.name, "description": self.description, "parameters": self.parameters,
+        }}
 
 
 class RewardItem(Wire):
@@ -254,6 +290,7 @@ class JobRecord(Wire):
     reason: str = ""
     version: int = -1
     rewards: list[float] = []  # mean reward of the batch trained at each version, in order
+    metrics: dict[str, list[float]] = {}  # per version, like rewards: the agent's tool/* and episode/* figures
     kv_cache_bytes: int = 0
     admitted_at: float = 0.0
     first_commit_at: float = 0.0  # version 1, i.e. the first trained update

@@ -18,6 +18,9 @@ from marlaas.events import Span, encode
 log = structlog.get_logger("marlaas.telemetry")
 
 
+UTILIZATION_JOB = "_rollout"  # rollout's engine / tool utilization spans are filed under this name
+
+
 def span_subject(job: str) -> str:
     return f"marlaas.span.{job}"
 

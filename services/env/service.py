@@ -1,6 +1,7 @@
-"""Env shell: answer reward requests on ``marlaas.reward.<task>`` in the queue group ``env``.
+"""Env shell: answer reward requests on ``marlaas.reward.<task>`` in the queue group ``env``,
+and serve the built-in tools on ``marlaas.tool.builtin.<tool>`` (see ``services/env/tools``).
 
-Start more env processes to scale: NATS spreads requests over the queue group.
+Start more env processes to scale: NATS spreads requests over the queue groups.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import structlog
 from marlaas.events import REWARD, EventDecodeError, RewardRequest, RewardResult, encode
 from marlaas.runtime import Runtime
 from services.env.rewards import RewardBook
+from services.env.tools import serve_builtin_tools
 
 log = structlog.get_logger("env")
 
@@ -36,6 +38,10 @@ async def run(rt: Runtime) -> None:
         return encode(result)
 
     await rt.bus.serve(reward_subject("*"), "env", answer)
+    tools = await serve_builtin_tools(rt.bus, rt.config)
     rt.ready()
-    log.info("ready")
-    await rt.stop.wait()
+    log.info("ready", tools=[sub.subject for sub in tools.subscriptions])
+    try:
+        await rt.stop.wait()
+    finally:
+        await tools.stop()

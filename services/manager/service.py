@@ -30,11 +30,16 @@ from marlaas.events import (
 from marlaas.runtime import Runtime
 from marlaas.store import ObjectStore
 from marlaas.tasks import TaskError, get_task
+from marlaas.tools.registry import ToolNameError, read_tool, split_qualified
 from services.manager.admission import job_footprint, kv_bytes_per_token, to_admit
 
 log = structlog.get_logger("manager")
 _SLUG = re.compile(r"[^a-z0-9]+")
 _TENANT = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
+# the range of sampling temperatures accepted: random sampling only (greedy has no logprobs to
+# train on), and not so flat or so sharp that float32 logprobs of engine and trainer drift apart
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 5.0
+AGENT_METRICS = ("tool/", "episode/")  # per-version figures kept in the job record, beside rewards
 
 
 def linear_module_names(model_dir) -> set[str]:
@@ -69,12 +74,14 @@ class Manager:
         """A queued job record from a submission, or :class:`api.SubmitError` saying what to fix."""
         g, lora, rc = request.grpo, request.lora, self.config.rollout
         problems = [
-            (not request.name.strip() or len(request.name) > 64, "name must be 1-64 characters"),
+            (len(request.name) > 64, "name must be at most 64 characters"),
             (not _TENANT.match(request.tenant), "tenant must be lowercase letters, digits and '-'"),
             (not 1 <= request.steps <= 100_000, "steps must be between 1 and 100000"),
             (g.prompts_per_step < 1, "grpo.prompts_per_step must be at least 1"),
             (g.group_size < 2, "grpo.group_size must be at least 2 (GRPO compares samples in a group)"),
-            (not g.temperature > 0, "grpo.temperature must be > 0"),
+            (not MIN_TEMPERATURE <= g.temperature <= MAX_TEMPERATURE,
+             f"grpo.temperature must be in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] (sampling is "
+             "random; the trainer scores the same tempered policy)"),
             (not 0 < g.learning_rate < 1, "grpo.learning_rate must be in (0, 1)"),
             (not 0 < g.clip_eps < 1, "grpo.clip_eps must be in (0, 1)"),
             (g.kl_coef < 0, "grpo.kl_coef must be >= 0"),
@@ -82,7 +89,8 @@ class Manager:
              f"lora.rank must be between 1 and {rc.max_lora_rank} (rollout.max_lora_rank)"),
             (g.max_new_tokens < 0, "grpo.max_new_tokens must be >= 0 (0 = the task's own budget)"),
             (not lora.alpha > 0, "lora.alpha must be > 0"),
-            (not 0 <= lora.dropout < 1, "lora.dropout must be in [0, 1)"),
+            (lora.dropout != 0, "lora.dropout must be 0 for RL jobs: dropout makes the trained policy "
+             "differ from the one that sampled the batch (off-policy); drop lora.dropout"),
             (not lora.target_modules, "lora.target_modules must name at least one module"),
             (not set(lora.target_modules) <= self.lora_targets,
              f"lora.target_modules {sorted(set(lora.target_modules) - self.lora_targets)} are not linear "
@@ -96,6 +104,8 @@ class Manager:
         except TaskError as exc:
             raise api.SubmitError(str(exc)) from exc
         g = msgspec.structs.replace(g, max_new_tokens=g.max_new_tokens or task.max_new_tokens)
+        tools = tuple(request.tools) if request.tools is not None else task.tools
+        self.check_tool_names(request, task, tools)
         prompt_tokens = max(len(self.tokenizer.encode(prompt, add_special_tokens=False))
                             for prompt in task.longest_prompts())
         if prompt_tokens + g.max_new_tokens > rc.max_model_len:
@@ -103,7 +113,8 @@ class Manager:
                 f"prompt ({prompt_tokens} tokens) + grpo.max_new_tokens ({g.max_new_tokens}) exceeds "
                 f"rollout.max_model_len ({rc.max_model_len}); lower max_new_tokens"
             )
-        footprint = job_footprint(g.prompts_per_step, g.group_size, prompt_tokens, g.max_new_tokens,
+        episode_tokens = min(task.max_episode_tokens(g.max_new_tokens), rc.max_model_len - prompt_tokens)
+        footprint = job_footprint(g.prompts_per_step, g.group_size, prompt_tokens, episode_tokens,
                                   self.bytes_per_token)
         if footprint > self.budget_bytes:
             raise api.SubmitError(
@@ -111,16 +122,47 @@ class Manager:
                 f"whole budget ({self.budget_bytes / 2**20:.1f} MiB, manager.kv_budget_gib): lower "
                 "grpo.prompts_per_step, grpo.group_size or grpo.max_new_tokens"
             )
-        slug = _SLUG.sub("-", request.name.lower()).strip("-")[:40] or "job"
+        name = request.name.strip() or request.task
+        slug = _SLUG.sub("-", name.lower()).strip("-")[:40] or "job"
         spec = JobSpec(id=f"{request.tenant}.{slug}-{uuid.uuid4().hex[:6]}", tenant=request.tenant,
-                       name=request.name, task=request.task, steps=request.steps, seed=request.seed,
-                       dataset=request.dataset, grpo=g, lora=lora, submitted_at=time.time())
+                       name=name, task=request.task, steps=request.steps, seed=request.seed,
+                       dataset=request.dataset, tools=tools, reward=request.reward, grpo=g, lora=lora,
+                       submitted_at=time.time())
         return JobRecord(spec=spec, kv_cache_bytes=footprint)
+
+    @staticmethod
+    def check_tool_names(request: api.SubmitRequest, task, tools: tuple[str, ...]) -> None:
+        """Tools only for agentic tasks, each a valid name in ``builtin`` or the submitter's namespace."""
+        if tools and task.kind != "agentic":
+            raise api.SubmitError(f"task {task.name!r} is single-turn: it cannot call tools; drop 'tools' "
+                                  "or choose an agentic task (`marlaas tasks`)")
+        for name in (*tools, *([request.reward] if request.reward else [])):
+            try:
+                namespace, _ = split_qualified(name)
+            except ToolNameError as exc:
+                raise api.SubmitError(str(exc)) from exc
+            if namespace not in ("builtin", request.tenant):
+                raise api.SubmitError(f"{name!r} belongs to tenant {namespace!r}: a job may use only built-in "
+                                      f"tools and its own tenant's ({request.tenant}.<name>)")
+        if request.reward and "." not in request.reward:
+            raise api.SubmitError(f"reward {request.reward!r}: name your reward function as "
+                                  f"'{request.tenant}.<name>' (the task's own reward needs no 'reward' field)")
+
+    async def resolve_tools(self, record: JobRecord) -> JobRecord:
+        """Fix the job's tools to their registry entries now; a tool nobody serves is refused."""
+        specs = []
+        for name in record.spec.tools:
+            spec = await read_tool(self.bus, name)
+            if spec is None:
+                raise api.SubmitError(f"tool {name!r} is not served right now (no live announcement): start "
+                                      "its server first (built-ins come with the env service)")
+            specs.append(spec)
+        return msgspec.structs.replace(record, spec=msgspec.structs.replace(record.spec, tool_specs=tuple(specs)))
 
     async def submit(self, data: bytes) -> api.SubmitReply:
         try:
             request = api.parse_submission(msgspec.json.decode(data))
-            record = self.validate(request)
+            record = await self.resolve_tools(self.validate(request))
         except (api.SubmitError, msgspec.DecodeError) as exc:
             return api.SubmitReply(error=str(exc))
         spec = record.spec
@@ -227,10 +269,14 @@ class Manager:
             if event.version <= r.version:
                 return None  # a repeat announcement
             rewards = list(r.rewards)
+            metrics = {key: list(values) for key, values in r.metrics.items()}
             if event.version >= 1 and "reward/mean" in event.metrics:
                 rewards.append(event.metrics["reward/mean"])
+                for key, value in event.metrics.items():
+                    if key.startswith(AGENT_METRICS):
+                        metrics.setdefault(key, []).append(value)
             first = r.first_commit_at or (event.committed_at if event.version == 1 else 0.0)
-            return msgspec.structs.replace(r, version=event.version, rewards=rewards,
+            return msgspec.structs.replace(r, version=event.version, rewards=rewards, metrics=metrics,
                                            first_commit_at=first, last_commit_at=event.committed_at)
 
         record = await self.update(event.job, change)

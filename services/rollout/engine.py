@@ -5,6 +5,12 @@ adapters. Each (job, version) gets a LoRA name and int id of its own, never reus
 for other weights (vLLM caches adapters and prefix blocks by name / id, so reuse
 would serve stale weights); a job's previous version is removed when the next
 one is loaded.
+
+The engine returns *processed* logprobs: the log-probability of each sampled token
+under the distribution it was actually drawn from (logits / temperature; no top-k,
+top-p or min-p, which the trainer could not reproduce, and no sampling defaults taken
+from the model's ``generation_config``). The trainer scores the same tempered policy,
+so the PPO ratio compares like with like at every temperature.
 """
 
 from __future__ import annotations
@@ -17,15 +23,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marlaas.config import Config
+from services.rollout.utilization import Utilization
 
 
 @dataclass(frozen=True)
 class Completion:
-    """One sampled completion with the engine's logprob of each sampled token."""
+    """One sampled turn: token ids, the engine's (tempered) logprob of each, and why it ended."""
 
     token_ids: list[int]
     logprobs: list[float]
     text: str
+    finish_reason: str = "length"  # "stop" (eos or a stop string) | "length"
+    stop_reason: str | int | None = None  # the stop string that ended it, if any
+    cached_tokens: int = 0  # prompt tokens served from vLLM's prefix cache
 
 
 class PolicyEngine:
@@ -47,12 +57,17 @@ class PolicyEngine:
             max_lora_rank=rc.max_lora_rank, max_cpu_loras=rc.max_loras * 2, dtype=rc.dtype,
             max_model_len=rc.max_model_len, gpu_memory_utilization=rc.gpu_memory_utilization,
             enforce_eager=True, disable_log_stats=True, seed=0,
+            logprobs_mode="processed_logprobs",  # the tempered policy the trainer scores
+            generation_config="vllm",  # no sampling defaults from the model's generation_config.json
+            enable_prefix_caching=True,  # a multi-turn episode re-enters with its whole prefix
+            **({"block_size": rc.block_size} if rc.block_size else {}),
         )
         self.engine = AsyncLLM.from_engine_args(args)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self._ids = itertools.count(1)
         self._loaded: dict[str, tuple[int, object]] = {}  # job -> (version, LoRARequest)
         self.eos_token_id = self.tokenizer.eos_token_id
+        self.utilization = Utilization()
 
     async def use_adapter(self, job: str, version: int, adapter_dir: Path):
         """The LoRARequest for (job, version): a fresh name and int id; the old version is dropped.
@@ -70,6 +85,11 @@ class PolicyEngine:
         if current is not None:
             await self.engine.remove_lora(current[1].lora_int_id)
         return request
+
+    def loaded_version(self, job: str) -> int:
+        """The version of the adapter this engine serves for ``job`` (-1: none loaded)."""
+        current = self._loaded.get(job)
+        return current[0] if current else -1
 
     async def drop_job(self, job: str) -> None:
         """Unload a finished job's adapter."""
@@ -90,39 +110,35 @@ class PolicyEngine:
                 return
             await asyncio.sleep(every_s)
 
-    def encode_prompt(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+    async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, lora,
+                       seed: int, stop: list[str] | None = None) -> Completion:
+        """One completion of ``prompt_ids`` (token in, token out) under ``lora``.
 
-    async def sample(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
-                     lora, seed: int) -> list[Completion]:
-        """``n`` completions of one prompt under ``lora``, with sampled-token logprobs."""
+        Each sample is its own request with its own seed (vLLM's ``n > 1`` is a frontend
+        fan-out giving child j the seed ``seed + j``, which overlaps other prompts' streams).
+        A stop string is kept in the output, and ``token_ids`` end with the token completing it.
+        """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        # FINAL_ONLY: vLLM aggregates the n children into one final output (streaming would not)
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, logprobs=0,
-                                seed=seed, output_kind=RequestOutputKind.FINAL_ONLY)
+        params = SamplingParams(
+            n=1, max_tokens=max_tokens, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
+            logprobs=0, seed=seed, stop=stop or None, include_stop_str_in_output=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
         final = None
-        async for output in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
-                                                 request_id=uuid.uuid4().hex, lora_request=lora):
-            final = output
-        if final is None or len(final.outputs) != n:
-            got = 0 if final is None else len(final.outputs)
-            raise RuntimeError(f"engine returned {got} completions, asked for {n}")
-        completions = []
-        for out in sorted(final.outputs, key=lambda o: o.index):
-            ids = list(out.token_ids)
-            logprobs = [step[token].logprob for step, token in zip(out.logprobs, ids)]
-            completions.append(Completion(ids, logprobs, out.text))
-        return completions
-
-    async def sample_many(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
-                          lora, seed: int) -> list[list[Completion]]:
-        """All prompts at once, so they share engine batches (with every other job's requests)."""
-        return await asyncio.gather(*(
-            self.sample(p, n, max_tokens, temperature, lora, seed + i) for i, p in enumerate(prompts)
-        ))
+        with self.utilization.engine_request():
+            async for output in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
+                                                     request_id=uuid.uuid4().hex, lora_request=lora):
+                final = output
+        if final is None or len(final.outputs) != 1:
+            raise RuntimeError(f"engine returned no completion for a {len(prompt_ids)}-token prompt")
+        out = final.outputs[0]
+        ids = list(out.token_ids)
+        logprobs = [step[token].logprob for step, token in zip(out.logprobs, ids)]
+        return Completion(ids, logprobs, out.text, out.finish_reason or "length", out.stop_reason,
+                          final.num_cached_tokens or 0)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -10,9 +10,11 @@ rollout crash re-samples the batch rather than stalling the job.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
+import os
 import shutil
 import time
-import zlib
 
 import structlog
 
@@ -20,34 +22,45 @@ from marlaas.adapters import attempt_prefix, materialize
 from marlaas.bus import Bus, Delivery, PoisonMessage
 from marlaas.commits import read_job, report_failure
 from marlaas.events import (
-    JOB, POLICY, REWARD, EventDecodeError, JobSpec, JobStateChanged, PolicyCommitted, RewardItem, RewardRequest,
-    Sample, TrajectoryBatch, TrajectoryReady, encode,
+    JOB, POLICY, REWARD, EventDecodeError, JobSpec, JobStateChanged, PolicyCommitted, RewardItem, RewardRequest, Span,
+    TrajectoryBatch, TrajectoryReady, encode,
 )
 from marlaas.runtime import Runtime
 from marlaas.tasks import Task, TaskError, get_task
-from marlaas.telemetry import span
-from services.rollout.engine import Completion, PolicyEngine
+from marlaas.telemetry import UTILIZATION_JOB, span, span_subject
+from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
+from services.rollout.engine import PolicyEngine
+from services.rollout.episode import Episode, episode_metrics
 
 log = structlog.get_logger("rollout")
 SERVICE = "rollout"
 INLINE_BATCH_LIMIT = 256 * 1024  # bigger batches travel through the object store
 
 
+# Test-only fault injection: serve the first adapter's weights under every later version's
+# fresh name, the failure of vllm#47724 / #42125 that the logprob-gap audit must catch.
+STALE_ADAPTER_FAULT = os.environ.get("MARLAAS_FAULT_STALE_ADAPTER") == "1"
+
+
+def _seed(*parts: object) -> int:
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
 def batch_seed(spec: JobSpec, version: int) -> int:
-    """Problems and sampling of (job, version) are reproducible from the job's seed."""
-    return zlib.crc32(f"{spec.id}:{spec.seed}:{version}".encode()) & 0x7FFFFFFF
+    """The problems of a version: decided by (task, dataset, seed, version), never by the job id,
+    so the same spec submitted twice trains on the same problems."""
+    return _seed("problems", spec.task, spec.dataset or "", spec.seed, version)
 
 
-def build_samples(prompt_ids: list[list[int]], groups: list[list[Completion]],
-                  rewards: list[float]) -> list[Sample]:
-    """Flatten GRPO groups into samples; ``rewards`` is in the same flattened order."""
-    reward = iter(rewards)
-    return [
-        Sample(group=g, prompt_ids=ids, completion_ids=c.token_ids, logprobs=c.logprobs,
-               loss_mask=[1] * len(c.token_ids), reward=next(reward), text=c.text)
-        for g, (ids, completions) in enumerate(zip(prompt_ids, groups))
-        for c in completions
-    ]
+def sample_seed(spec: JobSpec, version: int, prompt: int, sample: int, turn: int = 0) -> int:
+    """Each (prompt, sample, turn) of a version draws from its own seed stream (none overlap)."""
+    return _seed("sample", spec.task, spec.dataset or "", spec.seed, version, prompt, sample, turn)
+
+
+def digest(values: object) -> str:
+    """A short fingerprint recorded in spans, to compare runs without shipping their data."""
+    return hashlib.sha256(repr(values).encode()).hexdigest()[:16]
 
 
 class EngineGone(Exception):
@@ -61,10 +74,13 @@ class Rollout:
         self.bus: Bus = rt.bus
         self.store = rt.store
         self.engine = engine
+        self.config = rt.config
+        self.format = ConversationFormat(engine.tokenizer)
         self.cache_dir = rt.config.home_dir / "cache" / "adapters"
         self.tasks: dict[str, Task] = {}
         self.adapter_locks: dict[str, asyncio.Lock] = {}
         self.finished: set[str] = set()  # jobs forgotten: never load an adapter for them again
+        self.pinned: dict[str, object] = {}  # STALE_ADAPTER_FAULT only: each job's first adapter dir
 
     def task_of(self, spec: JobSpec) -> Task:
         if spec.id not in self.tasks:
@@ -112,6 +128,8 @@ class Rollout:
         job_dir = self.cache_dir / job
         adapter_dir = job_dir / f"v{version:06d}"
         await asyncio.to_thread(materialize, self.store, event.adapter, adapter_dir)
+        if STALE_ADAPTER_FAULT:
+            adapter_dir = self.pinned.setdefault(job, adapter_dir)
         lora = await self.engine.use_adapter(job, version, adapter_dir)
         for old in job_dir.iterdir():  # the engine holds older versions no more
             if old != adapter_dir:
@@ -136,29 +154,57 @@ class Rollout:
     async def sample_batch(self, spec: JobSpec, event: PolicyCommitted) -> TrajectoryBatch | None:
         """The job's next GRPO batch with version ``event.version``; None if the job just finished."""
         task, grpo, version = self.task_of(spec), spec.grpo, event.version
-        seed = batch_seed(spec, version)
-        problems = task.problems(grpo.prompts_per_step, seed)
-        prompt_ids = [self.engine.encode_prompt(p["prompt"]) for p in problems]
+        problems = task.problems(grpo.prompts_per_step, batch_seed(spec, version))
+        prompt_ids = [self.format.prompt_ids(p["prompt"], list(spec.tool_specs)) for p in problems]
         # vLLM may (re)load an adapter from its directory whenever a request uses it, so the
         # job's cleanup (forget) waits until its generation is done
         async with self._lock(spec.id):
             lora = await self.load_adapter(spec.id, version, event)
             if lora is None:
                 return None
-            async with span(self.bus, SERVICE, "generate", spec.id, version) as attrs:
-                groups = await self.engine.sample_many(
-                    prompt_ids, grpo.group_size, grpo.max_new_tokens, grpo.temperature, lora, seed
-                )
-                attrs["completions"] = sum(len(g) for g in groups)
-                attrs["tokens"] = sum(len(c.token_ids) for g in groups for c in g)
-        async with span(self.bus, SERVICE, "reward", spec.id, version):
+            async with span(self.bus, SERVICE, "generate", spec.id, version,
+                            problems_sha=digest([p["prompt"] for p in problems])) as attrs:
+                episodes = await asyncio.gather(*(
+                    self.episode(spec, task, ids, lora, version, i, j)
+                    for i, ids in enumerate(prompt_ids) for j in range(grpo.group_size)))
+                attrs["completions"] = len(episodes)
+                attrs["tokens"] = sum(seg.ids.__len__() for e in episodes for seg in e.segments
+                                      if seg.kind == "sampled")
+                metrics = episode_metrics(episodes) if task.kind == "agentic" else {}
+                attrs.update(metrics)
+        texts = [self.engine.tokenizer.decode(e.ids[len(e.prompt_ids):], skip_special_tokens=True)
+                 for e in episodes]
+        async with span(self.bus, SERVICE, "reward", spec.id, version) as attrs:
+            groups = [texts[i * grpo.group_size:(i + 1) * grpo.group_size] for i in range(len(problems))]
             rewards = await self.rewards(spec, problems, groups)
-        return TrajectoryBatch(samples=build_samples(prompt_ids, groups, rewards))
+            attrs["rewards_sha"] = digest([round(r, 6) for r in rewards])
+        samples = [e.to_sample(group=k // grpo.group_size, reward=r, text=t)
+                   for k, (e, r, t) in enumerate(zip(episodes, rewards, texts))]
+        return TrajectoryBatch(samples=samples, policy_version=self.engine.loaded_version(spec.id),
+                               metrics=metrics)
 
-    async def rewards(self, spec: JobSpec, problems: list[dict], groups: list[list[Completion]]) -> list[float]:
-        items = [RewardItem(problem=p, completion=c.text) for p, g in zip(problems, groups) for c in g]
+    async def episode(self, spec: JobSpec, task: Task, prompt_ids: list[int], lora, version: int,
+                      prompt: int, sample: int) -> Episode:
+        """One sample: a single turn for single-turn tasks, a tool-using episode for agentic ones."""
+        grpo, rc = spec.grpo, self.config.rollout
+        limits = EpisodeLimits(
+            max_new_tokens=grpo.max_new_tokens,
+            max_tool_calls=task.max_tool_calls if task.kind == "agentic" else 0,
+            max_observation_tokens=task.max_observation_tokens,
+            max_total_tokens=min(rc.max_model_len, len(prompt_ids) + task.max_episode_tokens(grpo.max_new_tokens)),
+            tool_timeout_s=rc.tool_timeout_s,
+        )
+        tools = ToolBox(spec.id, list(spec.tools), self.bus.request, rc.tool_timeout_s, self.engine.utilization)
+        return await run_episode(
+            self.engine, self.format, prompt_ids, tools=tools, limits=limits, temperature=grpo.temperature,
+            lora=lora, seed=lambda turn: sample_seed(spec, version, prompt, sample, turn))
+
+    async def rewards(self, spec: JobSpec, problems: list[dict], groups: list[list[str]]) -> list[float]:
+        """Scores of every completion (flattened in group order) by the task's or the job's reward."""
+        items = [RewardItem(problem=p, completion=text) for p, g in zip(problems, groups) for text in g]
         request = RewardRequest(job=spec.id, task=spec.task, items=items, dataset=spec.dataset or "")
-        reply = REWARD.decode(await self.bus.request(f"marlaas.reward.{spec.task}", encode(request), 60.0))
+        subject = f"marlaas.reward.{spec.reward or spec.task}"
+        reply = REWARD.decode(await self.bus.request(subject, encode(request), 60.0))
         if reply.error:
             raise PoisonMessage(reply.error)
         if len(reply.rewards) != len(items):
@@ -180,6 +226,19 @@ class Rollout:
         await self.bus.publish(f"marlaas.trajectory.ready.{spec.id}", data, msg_id=batch_id)
 
 
+async def report_utilization(bus: Bus, engine: PolicyEngine, stop: asyncio.Event, every_s: float = 2.0) -> None:
+    """Publish the engine's busy time (and its overlap with pending tool calls) as spans."""
+    while not stop.is_set():
+        start = time.time()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every_s)
+        totals = engine.utilization.take()
+        if any(totals.values()):
+            await bus.publish(span_subject(UTILIZATION_JOB), encode(Span(
+                job=UTILIZATION_JOB, service=SERVICE, phase="utilization", version=-1, start=start,
+                end=time.time(), attrs=totals)))
+
+
 async def run(rt: Runtime) -> None:
     """Start the engine (tens of seconds on CPU), then serve announcements until stopped."""
     engine = PolicyEngine(rt.config)
@@ -188,12 +247,14 @@ async def run(rt: Runtime) -> None:
     log.info("ready", base_model=str(rt.config.base_model_dir))
     await rt.bus.nc.subscribe("marlaas.job.state.>", cb=rollout.on_job_state)
     watchdog = asyncio.create_task(engine.watch(rt.stop))
+    reporter = asyncio.create_task(report_utilization(rt.bus, engine, rt.stop))
     try:
         await rt.bus.consume("POLICY", "rollout", "marlaas.policy.committed.>", rollout.handle,
                              stop=rt.stop, ack_wait_s=60.0, concurrency=rt.config.rollout.concurrency,
                              on_give_up=rollout.give_up)
     finally:
         watchdog.cancel()
+        reporter.cancel()
         dead = engine.dead
         engine.shutdown()
     if dead:

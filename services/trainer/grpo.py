@@ -1,12 +1,15 @@
 """The GRPO loss, as pure functions with visible shapes.
 
-Formulation (B = samples in the batch, T = padded sequence length, G = group size):
+Formulation (B = samples in the batch, T = padded sequence length, G = group size,
+tau = the job's sampling temperature, z_it = the logits that predict token y_it):
 
     A_i      = (r_i - mean(r_group(i))) / (std(r_group(i)) + 1e-4)    # group-normalized advantage
                                                   # (without the std when scale_by_std is off)
+    logp(y_it) = log_softmax(z_it / tau)[y_it]                        # the *tempered* policy
     rho_it   = exp(logp_theta(y_it) - logp_sample(y_it))              # sampler's logprobs as "old"
-    L_clip   = -sum_it m_it * min(rho_it A_i, clip(rho_it, 1-eps, 1+eps) A_i) / sum_it m_it
-    L_kl     = beta * sum_it m_it * k3(logp_ref - logp_theta) / sum_it m_it,   k3(x) = e^x - x - 1
+    N        = sum_it m_it                                            # masked tokens of the batch
+    L_clip   = -sum_it m_it * min(rho_it A_i, clip(rho_it, 1-eps, 1+eps) A_i) / N
+    L_kl     = beta * sum_it m_it * k3(logp_ref - logp_theta) / N,   k3(x) = e^x - x - 1
     L        = L_clip + L_kl
 
 Where it deviates from the textbook: the loss is averaged over *tokens* of the
@@ -16,13 +19,28 @@ sampling logprobs (the job is strictly on-policy, so rho is 1 up to the engine-v
 trainer numerical gap, which is reported as ``logprob_gap``); the reference policy
 of the KL term is the base model itself (the LoRA disabled), and the KL is off by
 default (beta = 0).
+
+Temperature: the engine samples from softmax(z / tau) and reports those processed
+logprobs (no top-k / top-p), so the trainer scores the same tempered distribution,
+and so is the reference of the KL term; scoring at tau = 1 would make rho != 1 on
+every token of an on-policy batch.
+
+Micro-batching is exact: L is a sum over tokens divided by the constant N of the
+*whole* batch, so a micro-batch contributes its own token sum over that same N
+(``grpo_loss(..., total_tokens=N)``) and the accumulated gradients and summed
+metrics equal the whole-batch ones (up to float rounding). Advantages are computed
+over the whole batch before it is split. Token logprobs are computed from final
+hidden states a chunk of positions at a time (``head_logprobs``), so the B x T x V
+fp32 log-softmax is never materialized.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 def group_advantages(rewards_B: torch.Tensor, groups_B: torch.Tensor, scale_by_std: bool = True) -> torch.Tensor:
@@ -36,15 +54,72 @@ def group_advantages(rewards_B: torch.Tensor, groups_B: torch.Tensor, scale_by_s
     return advantages_B
 
 
-def token_logprobs(logits_B_T_V: torch.Tensor, tokens_B_T: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each next token: position t scores token t+1 (last position scores 0)."""
-    logprobs_B_T_V = torch.log_softmax(logits_B_T_V[:, :-1].float(), dim=-1)
+def micro_batches(lengths_B: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Split sample indices into micro-batches of at most ``token_budget`` padded tokens.
+
+    Samples are taken longest first, so each micro-batch holds similar lengths and
+    little padding; a micro-batch's cost is rows x its longest row. A sample longer
+    than the budget is a micro-batch of its own.
+    """
+    order = sorted(range(len(lengths_B)), key=lambda i: -lengths_B[i])
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and (len(current) + 1) * lengths_B[current[0]] > token_budget:
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def token_logprobs(logits_B_T_V: torch.Tensor, tokens_B_T: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Tempered log-probability of each next token from full logits (entry t is log p(token_t)).
+
+    Position t's logits score token t+1; entry 0 has no predictor and is 0. This
+    materializes B x T x V fp32: the fallback for models whose head cannot be split off.
+    """
+    logprobs_B_T_V = torch.log_softmax(logits_B_T_V[:, :-1].float() / temperature, dim=-1)
     picked_B_T = logprobs_B_T_V.gather(-1, tokens_B_T[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return torch.nn.functional.pad(picked_B_T, (1, 0))  # align: entry t is log p(token_t)
+    return torch.nn.functional.pad(picked_B_T, (1, 0))
+
+
+def scored_positions(mask_B_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of every masked-in token that has a predecessor to score it from."""
+    rows_N, cols_N = torch.nonzero(mask_B_T[:, 1:], as_tuple=True)
+    return rows_N, cols_N + 1
+
+
+def _chunk_logprobs(hidden_C_H: torch.Tensor, targets_C: torch.Tensor,
+                    head: Callable[[torch.Tensor], torch.Tensor], temperature: float) -> torch.Tensor:
+    logits_C_V = head(hidden_C_H).float() / temperature
+    return logits_C_V.gather(-1, targets_C.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits_C_V, dim=-1)
+
+
+def head_logprobs(hidden_N_H: torch.Tensor, targets_N: torch.Tensor,
+                  head: Callable[[torch.Tensor], torch.Tensor], temperature: float = 1.0,
+                  chunk: int = 256) -> torch.Tensor:
+    """log_softmax(head(h_n) / tau)[y_n] for N hidden states, ``chunk`` positions at a time.
+
+    Each chunk's logits are fp32 and recomputed in backward (activation
+    checkpointing), so peak memory is a few chunk x V tensors (256 x 152k fp32 is
+    156 MB), not N x V.
+    """
+    pieces = []
+    for start in range(0, hidden_N_H.shape[0], chunk):
+        h_C_H, y_C = hidden_N_H[start:start + chunk], targets_N[start:start + chunk]
+        if torch.is_grad_enabled() and h_C_H.requires_grad:
+            pieces.append(checkpoint(_chunk_logprobs, h_C_H, y_C, head, temperature, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(h_C_H, y_C, head, temperature))
+    return torch.cat(pieces) if pieces else hidden_N_H.new_zeros(0, dtype=torch.float32)
 
 
 @dataclass(frozen=True)
 class GrpoLoss:
+    """The loss to backpropagate and its metrics, each already divided by the batch's token count."""
+
     loss: torch.Tensor
     clip_fraction: float
     kl: float
@@ -54,11 +129,17 @@ class GrpoLoss:
 def grpo_loss(
     logprobs_B_T: torch.Tensor, sample_logprobs_B_T: torch.Tensor, mask_B_T: torch.Tensor,
     advantages_B: torch.Tensor, clip_eps: float, kl_coef: float = 0.0,
-    ref_logprobs_B_T: torch.Tensor | None = None,
+    ref_logprobs_B_T: torch.Tensor | None = None, total_tokens: float | None = None,
 ) -> GrpoLoss:
-    """Token-level clipped policy-gradient loss plus the optional k3 KL to the reference."""
+    """Token-level clipped policy-gradient loss plus the optional k3 KL to the reference.
+
+    ``total_tokens`` is N, the masked-token count of the whole batch; pass it when
+    these rows are one micro-batch, and the results (loss and metrics) are this
+    micro-batch's share, which sum over micro-batches to the whole-batch values.
+    Defaults to this call's own mask count.
+    """
     mask_B_T = mask_B_T.float()
-    tokens = mask_B_T.sum().clamp(min=1.0)
+    tokens = max(float(mask_B_T.sum()) if total_tokens is None else total_tokens, 1.0)
     log_ratio_B_T = (logprobs_B_T - sample_logprobs_B_T) * mask_B_T
     ratio_B_T = torch.exp(log_ratio_B_T)
     adv_B_1 = advantages_B.unsqueeze(-1)
@@ -75,4 +156,4 @@ def grpo_loss(
     with torch.no_grad():
         was_clipped = ((ratio_B_T - 1).abs() > clip_eps).float() * mask_B_T
         gap = (log_ratio_B_T.abs().sum() / tokens).item()
-    return GrpoLoss(loss, (was_clipped.sum() / tokens).item(), float(kl), gap)
+    return GrpoLoss(loss, (was_clipped.sum() / tokens).item(), kl.detach().item(), gap)

@@ -4,6 +4,13 @@ The base is loaded once per process and never reloaded per job. A job's adapter
 and optimizer state stay in memory while it is hot (most recently trained), so a
 step costs a forward/backward and a small state export, not a reload; a cold job
 is loaded from the object store at its committed version.
+
+A step is split into micro-batches of at most ``micro_batch_tokens`` padded tokens
+with gradient accumulation (exact: see grpo.py), and each micro-batch scores only
+its masked-in tokens from the decoder's final hidden states, a chunk of positions at
+a time, so memory grows with the budget and a chunk x vocabulary, not with
+batch x length x vocabulary. Models whose logits are not ``head(decoder(x))`` (a
+probe at start-up checks) are scored from full logits instead, still per micro-batch.
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ from safetensors.torch import save as save_safetensors
 from transformers import AutoModelForCausalLM
 
 from marlaas.adapters import CONFIG_FILE
-from marlaas.events import GrpoSettings, TrajectoryBatch
-from services.trainer.grpo import group_advantages, grpo_loss, token_logprobs
+from marlaas.events import GrpoSettings, Sample, TrajectoryBatch
+from services.trainer.grpo import (
+    GrpoLoss, group_advantages, grpo_loss, head_logprobs, micro_batches, scored_positions, token_logprobs,
+)
 
 
 class NonFiniteUpdate(Exception):
@@ -39,6 +48,48 @@ def pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("trainer.device = 'cuda' but torch sees no CUDA device")
     return torch.device(name)
+
+
+def find_decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """(decoder, lm_head) of a transformers CausalLM or a peft model around one; None if not found.
+
+    The decoder is the module returning ``last_hidden_state`` (``get_decoder()``, else
+    ``.model``); LoRA layers live inside it, so calling it applies the active adapter.
+    """
+    causal_lm = model.get_base_model() if isinstance(model, PeftModel) else model
+    get_head = getattr(causal_lm, "get_output_embeddings", None)
+    head = get_head() if get_head else None
+    decoder = None
+    if hasattr(causal_lm, "get_decoder"):
+        try:
+            decoder = causal_lm.get_decoder()
+        except (AttributeError, NotImplementedError, ValueError):  # exotic layouts: try .model
+            decoder = None
+    if decoder is None or decoder is causal_lm:
+        decoder = getattr(causal_lm, "model", None)
+    if not isinstance(decoder, torch.nn.Module) or decoder is causal_lm or not isinstance(head, torch.nn.Module):
+        return None
+    return decoder, head
+
+
+def head_split_matches(model: torch.nn.Module) -> bool:
+    """Whether ``head(decoder(x).last_hidden_state)`` reproduces the model's logits on a probe.
+
+    False for models that post-process logits (softcapping, logit scaling) or whose
+    decoder cannot be called alone; those are scored from full logits.
+    """
+    parts = find_decoder_and_head(model)
+    if parts is None:
+        return False
+    decoder, head = parts
+    ids_1_T = torch.arange(8, device=next(model.parameters()).device).unsqueeze(0)
+    try:
+        with torch.no_grad():
+            full = model(input_ids=ids_1_T, use_cache=False).logits.float()
+            split = head(decoder(input_ids=ids_1_T, use_cache=False).last_hidden_state).float()
+    except (AttributeError, TypeError):  # the decoder is not a plain input_ids -> hidden states module
+        return False
+    return full.shape == split.shape and torch.allclose(full, split, rtol=1e-3, atol=1e-3)
 
 
 @dataclass
@@ -64,12 +115,15 @@ class StepResult:
 class PolicyTrainer:
     """GRPO updates of many jobs' LoRAs over one shared frozen base model."""
 
-    def __init__(self, base_model_dir: Path, device: str = "cpu", hot_adapters: int = 16) -> None:
+    def __init__(self, base_model_dir: Path, device: str = "cpu", hot_adapters: int = 16,
+                 micro_batch_tokens: int = 4096) -> None:
         self.device = pick_device(device)
         base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32)
         base.to(self.device)
         base.requires_grad_(False)
         self.base = base
+        self.micro_batch_tokens = micro_batch_tokens
+        self.split_head = head_split_matches(base)  # False: score from full logits (still per micro-batch)
         self.model: PeftModel | None = None
         self.hot: OrderedDict[str, HotJob] = OrderedDict()
         self.max_hot = hot_adapters
@@ -79,6 +133,7 @@ class PolicyTrainer:
     # --- residency ---------------------------------------------------------------------------
 
     def hot_version(self, job: str) -> int | None:
+        """The version the job's in-memory adapter is at (None when the job is not hot)."""
         hot = self.hot.get(job)
         return hot.version if hot else None
 
@@ -131,29 +186,7 @@ class PolicyTrainer:
     def train_step(self, job: str, batch: TrajectoryBatch, settings: GrpoSettings) -> StepResult:
         """One optimizer step on ``batch``; the job moves to version + 1 in memory."""
         hot = self.hot[job]
-        self.hot.move_to_end(job)
-        model = self.model
-        model.set_adapter(hot.slot)
-        for p in hot.params:
-            p.requires_grad_(True)
-        model.train()
-        tokens_B_T, mask_B_T, sample_lp_B_T, attn_B_T = self._pack(batch)
-        rewards_B = torch.tensor([s.reward for s in batch.samples], dtype=torch.float32)
-        groups_B = torch.tensor([s.group for s in batch.samples])
-        advantages_B = group_advantages(rewards_B, groups_B, settings.scale_by_std).to(self.device)
-
-        ref_lp_B_T = None
-        if settings.kl_coef > 0:
-            with torch.no_grad(), model.disable_adapter():
-                ref_lp_B_T = token_logprobs(model(input_ids=tokens_B_T, attention_mask=attn_B_T).logits, tokens_B_T)
-        logits = model(input_ids=tokens_B_T, attention_mask=attn_B_T).logits
-        logprobs_B_T = token_logprobs(logits, tokens_B_T)
-        out = grpo_loss(logprobs_B_T, sample_lp_B_T, mask_B_T, advantages_B,
-                        settings.clip_eps, settings.kl_coef, ref_lp_B_T)
-        if not torch.isfinite(out.loss):
-            raise NonFiniteUpdate(f"loss is {out.loss.item()} at version {hot.version}")
-        hot.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
+        losses = self.accumulate_gradients(job, batch, settings)
         grad_norm = torch.nn.utils.clip_grad_norm_(hot.params, settings.max_grad_norm)
         if not torch.isfinite(grad_norm):
             raise NonFiniteUpdate(f"gradient norm is {grad_norm.item()} at version {hot.version}")
@@ -161,17 +194,76 @@ class PolicyTrainer:
         if not all(torch.isfinite(p).all() for p in hot.params):
             raise NonFiniteUpdate(f"weights became non-finite after the step at version {hot.version}")
         hot.version += 1
+        rewards_B = torch.tensor([s.reward for s in batch.samples], dtype=torch.float32)
         metrics = {
             "reward/mean": rewards_B.mean().item(),
             "reward/std": rewards_B.std(unbiased=False).item(),
-            "loss": out.loss.item(),
-            "clip_fraction": out.clip_fraction,
-            "kl": out.kl,
-            "logprob_gap": out.logprob_gap,
+            **losses,
             "grad_norm": float(grad_norm),
-            "tokens": float(mask_B_T.sum().item()),
         }
         return StepResult(*self.export(job), metrics=metrics)
+
+    def accumulate_gradients(self, job: str, batch: TrajectoryBatch, settings: GrpoSettings) -> dict[str, float]:
+        """Set the job's gradients to those of the batch's GRPO loss, one micro-batch at a time.
+
+        Micro-batches hold at most ``micro_batch_tokens`` padded tokens; each adds its
+        share of the whole-batch loss (see grpo.py), so the gradients and the returned
+        metrics (loss, clip_fraction, kl, logprob_gap, tokens) are the whole batch's.
+        """
+        hot = self.hot[job]
+        self.hot.move_to_end(job)
+        model = self.model
+        model.set_adapter(hot.slot)
+        for p in hot.params:
+            p.requires_grad_(True)
+        model.train()
+        samples = batch.samples
+        rewards_B = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        groups_B = torch.tensor([s.group for s in samples])
+        advantages_B = group_advantages(rewards_B, groups_B, settings.scale_by_std).to(self.device)
+        total_tokens = float(sum(sum(s.loss_mask) for s in samples))
+        sums = dict.fromkeys(("loss", "clip_fraction", "kl", "logprob_gap"), 0.0)
+        hot.optimizer.zero_grad(set_to_none=True)
+        lengths_B = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+        for rows in micro_batches(lengths_B, self.micro_batch_tokens):
+            out = self._micro_batch_loss([samples[i] for i in rows], advantages_B[rows], total_tokens, settings)
+            if not torch.isfinite(out.loss):
+                raise NonFiniteUpdate(f"loss is {out.loss.item()} at version {hot.version}")
+            if out.loss.requires_grad:  # no masked token in this micro-batch: nothing to backpropagate
+                out.loss.backward()
+            for key, value in (("loss", out.loss.item()), ("clip_fraction", out.clip_fraction),
+                               ("kl", out.kl), ("logprob_gap", out.logprob_gap)):
+                sums[key] += value
+        for p in hot.params:  # a batch with no scored token still steps (AdamW momentum), as before
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return {**sums, "tokens": total_tokens}
+
+    def _micro_batch_loss(self, samples: list[Sample], advantages_M: torch.Tensor, total_tokens: float,
+                          settings: GrpoSettings) -> GrpoLoss:
+        """These samples' share of the batch loss (their token sums over the batch's ``total_tokens``)."""
+        tokens_M_T, mask_M_T, sample_lp_M_T, attn_M_T = self._pack(samples)
+        ref_lp_M_T = None
+        if settings.kl_coef > 0:  # the reference is the base, scored at the same temperature
+            with torch.no_grad(), self.model.disable_adapter():
+                ref_lp_M_T = self._score(tokens_M_T, attn_M_T, mask_M_T, settings.temperature)
+        logprobs_M_T = self._score(tokens_M_T, attn_M_T, mask_M_T, settings.temperature)
+        return grpo_loss(logprobs_M_T, sample_lp_M_T, mask_M_T, advantages_M, settings.clip_eps,
+                         settings.kl_coef, ref_lp_M_T, total_tokens=total_tokens)
+
+    def _score(self, tokens_B_T: torch.Tensor, attn_B_T: torch.Tensor, mask_B_T: torch.Tensor,
+               temperature: float) -> torch.Tensor:
+        """Tempered logprobs of the masked-in tokens (0 elsewhere) under the model as it is set."""
+        parts = find_decoder_and_head(self.model) if self.split_head else None
+        if parts is None:
+            logits_B_T_V = self.model(input_ids=tokens_B_T, attention_mask=attn_B_T, use_cache=False).logits
+            return token_logprobs(logits_B_T_V, tokens_B_T, temperature)
+        decoder, head = parts
+        hidden_B_T_H = decoder(input_ids=tokens_B_T, attention_mask=attn_B_T, use_cache=False).last_hidden_state
+        rows_N, cols_N = scored_positions(mask_B_T)
+        logprobs_N = head_logprobs(hidden_B_T_H[rows_N, cols_N - 1], tokens_B_T[rows_N, cols_N],
+                                   head, temperature)
+        return torch.zeros(mask_B_T.shape, device=self.device).index_put((rows_N, cols_N), logprobs_N)
 
     def export(self, job: str) -> tuple[bytes, bytes, bytes]:
         """The hot job's adapter as PEFT files (config JSON, safetensors) and its optimizer state."""
@@ -185,16 +277,16 @@ class PolicyTrainer:
         torch.save(hot.optimizer.state_dict(), buf)
         return config_json, weights, buf.getvalue()
 
-    def _pack(self, batch: TrajectoryBatch):
+    def _pack(self, samples: list[Sample]):
         """Right-pad prompt + completion into tensors; the mask covers trained completion tokens."""
-        rows = [s.prompt_ids + s.completion_ids for s in batch.samples]
+        rows = [s.prompt_ids + s.completion_ids for s in samples]
         width = max(len(r) for r in rows)
         B = len(rows)
         tokens_B_T = torch.zeros(B, width, dtype=torch.long)
         attn_B_T = torch.zeros(B, width, dtype=torch.long)
         mask_B_T = torch.zeros(B, width)
         sample_lp_B_T = torch.zeros(B, width)
-        for i, s in enumerate(batch.samples):
+        for i, s in enumerate(samples):
             p, c = len(s.prompt_ids), len(s.completion_ids)
             tokens_B_T[i, : p + c] = torch.tensor(rows[i])
             attn_B_T[i, : p + c] = 1
@@ -202,4 +294,3 @@ class PolicyTrainer:
             sample_lp_B_T[i, p : p + c] = torch.tensor(s.logprobs, dtype=torch.float32)
         d = self.device
         return tokens_B_T.to(d), mask_B_T.to(d), sample_lp_B_T.to(d), attn_B_T.to(d)
-

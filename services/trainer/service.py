@@ -67,15 +67,19 @@ class Trainer:
 
         batch = event.batch if event.batch is not None else BATCH.decode(self.store.fetch(event.batch_ref))
         spec = record.spec
+        # the audit's record of what was trained from, taken from where each fact lives (the
+        # event, the batch as rollout wrote it, the adapter in memory), not from the check above
         async with span(self.bus, SERVICE, "train", job, version, batch_id=event.batch_id,
-                        batch_version=version, committed_version=committed.version) as attrs:
+                        batch_version=event.version, sampled_version=batch.policy_version,
+                        committed_version=committed.version) as attrs:
             async with delivery.keep_alive():
                 try:
-                    result = await asyncio.to_thread(self._train, committed, batch, spec)
+                    adapter_version, result = await asyncio.to_thread(self._train, committed, batch, spec)
                 except NonFiniteUpdate as exc:
                     self.policy.evict(job)
                     await self._fail(job, version, f"non-finite update, not committed: {exc}")
                     return await delivery.term()
+            attrs["adapter_version"] = adapter_version
             attrs.update({k: v for k, v in result.metrics.items()})
         log.info("trained", job=job, version=version, batch_id=event.batch_id,
                  reward=round(result.metrics["reward/mean"], 4), loss=round(result.metrics["loss"], 4))
@@ -101,13 +105,18 @@ class Trainer:
         if event.batch_ref is not None:  # the batch is trained and committed: its blob is garbage
             await asyncio.to_thread(self.store.delete, self.store.key_of(event.batch_ref.uri))
 
-    def _train(self, committed: CommittedVersion, batch: TrajectoryBatch, spec: JobSpec) -> StepResult:
-        """Load the job if it is cold (or at another version), then one GRPO step."""
+    def _train(self, committed: CommittedVersion, batch: TrajectoryBatch,
+               spec: JobSpec) -> tuple[int, StepResult]:
+        """Load the job if it is cold (or at another version), then one GRPO step; return the
+        version of the in-memory adapter the step started from, and the step's result."""
         if self.policy.hot_version(committed.job) != committed.version:
             config_json, weights = read_adapter(self.store, committed.adapter)
             optimizer = self.store.fetch(committed.optimizer) if committed.optimizer else None
             self.policy.load(committed.job, committed.version, config_json, weights, optimizer, spec.grpo)
-        return self.policy.train_step(committed.job, batch, spec.grpo)
+        trained_from = self.policy.hot_version(committed.job)
+        result = self.policy.train_step(committed.job, batch, spec.grpo)
+        result.metrics.update(batch.metrics)  # rollout's figures (tool calls, turns) ride with the version
+        return trained_from, result
 
     def _write(self, committed: CommittedVersion, result: StepResult, batch_id: str) -> CommittedVersion:
         version = committed.version + 1
@@ -142,7 +151,8 @@ async def run(rt: Runtime) -> None:
     if threads:
         torch.set_num_threads(threads)
     policy = await asyncio.to_thread(
-        PolicyTrainer, cfg.base_model_dir, cfg.trainer.device, cfg.trainer.hot_adapters
+        PolicyTrainer, cfg.base_model_dir, cfg.trainer.device, cfg.trainer.hot_adapters,
+        cfg.trainer.micro_batch_tokens,
     )
     trainer = Trainer(rt.bus, rt.store, policy)
     await trainer.reannounce_committed()

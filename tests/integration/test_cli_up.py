@@ -54,5 +54,6 @@ def test_up_serves_the_cli_and_ctrl_c_stops_every_process(tmp_path):
     assert code == 0
     assert not any(alive(pid) for pid in children)
     assert not (tmp_path / "run" / "nats.url").exists()
-    logs = {name: (tmp_path / "logs" / f"{name}.log").read_text() for name in ("manager", "trainer", "env")}
+    logs = {name: (tmp_path / "logs" / f"{name}.log").read_text()
+            for name in ("manager", "trainer", "env", "rollout")}
     assert all("stopped" in text for text in logs.values()), "a service did not drain and stop cleanly"

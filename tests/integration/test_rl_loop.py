@@ -17,9 +17,11 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from marlaas.audit import MAX_LOGPROB_GAP, audit_training, gaps_by_version
 from marlaas.bus import Bus
 from marlaas.client import ApiError, Client
 from marlaas.config import load_config
@@ -103,13 +105,13 @@ def test_three_concurrent_jobs_learn_on_policy_with_overlap(stack):
     generate = [s for s in spans if s.phase == "generate"]
     train = [s for s in spans if s.phase == "train"]
 
-    # on-policy audit: each trained batch's version is the committed version at train time,
-    # and each job trained exactly one batch per version
+    # on-policy audit, from what each service recorded: one batch per version, sampled and trained
+    # from that version, and the engine's logprobs match the trainer's (the same weights served)
+    ours = [s for s in spans if s.job in {view.id for view in views}]
     for view in views:
-        trained = [s for s in train if s.job == view.id]
-        assert sorted(s.version for s in trained) == list(range(STEPS))
-        for s in trained:
-            assert s.attrs["batch_version"] == s.attrs["committed_version"] == s.version, s
+        assert sorted(s.version for s in train if s.job == view.id) == list(range(STEPS))
+        print(f"{view.task}: max engine-vs-trainer logprob gap {max(gaps_by_version(ours, view.id).values()):.2e}")
+    assert audit_training(ours) == []
 
     # overlap: different jobs generate in the engine at the same time, and one job's
     # training overlaps another job's generation
@@ -131,6 +133,9 @@ def test_bad_submissions_are_refused_and_create_nothing(stack):
         ({"name": "x", "task": "addition", "steps": 2, "grpo": {"max_new_tokens": 4096}}, "max_model_len"),
         ({"name": "x", "task": "addition", "steps": 2, "lora": {"target_modules": ["qkv"]}},
          "lora.target_modules ['qkv'] are not linear layers of the base model"),
+        ({"task": "addition", "steps": 2, "lora": {"dropout": 0.1}}, "lora.dropout must be 0 for RL jobs"),
+        ({"task": "addition", "steps": 2, "grpo": {"temperature": 0.0}}, "grpo.temperature must be in"),
+        ({"task": "addition", "steps": 2, "grpo": {"top_p": 0.9}}, "'grpo.top_p' is not supported"),
     ]
 
     async def go():
@@ -221,7 +226,9 @@ def test_a_stale_batch_is_terminated_not_trained(stack):
     async def go():
         client = await Client.connect(stack.nats_url)
         job = await client.submit({"name": "audit", "task": "reverse", "steps": 1000, "seed": 5})
+        deadline = time.monotonic() + 300
         while (await client.status(job))[0].version < 2:
+            assert time.monotonic() < deadline, "the job never reached version 2"
             await asyncio.sleep(0.2)
         stale = TrajectoryReady(job=job, version=0, batch_id="stale-batch", batch=TrajectoryBatch(samples=[
             Sample(group=0, prompt_ids=[5], completion_ids=[6, 1], logprobs=[-1.0, -1.0],
@@ -264,3 +271,68 @@ def test_a_job_whose_data_breaks_mid_run_fails_alone(stack, tmp_path):
     assert view.state == "failed" and "math.jsonl" in view.reason, view
     assert after.state == "completed"  # the services are still up and serving others
     stack.check_alive()
+
+
+def wait_all(stack, jobs: list[dict], timeout_s: float = 300) -> list:
+    """Submit ``jobs`` at once and wait until all are finished."""
+
+    async def go():
+        client = await Client.connect(stack.nats_url)
+        ids = await asyncio.gather(*(client.submit(job) for job in jobs))
+        views = await client.wait(list(ids), timeout_s=timeout_s)
+        await client.close()
+        return views
+
+    return run(go())
+
+
+def test_tempered_sampling_is_trained_on_policy(stack):
+    """At T = 0.7 the engine's logprobs and the trainer's are the same tempered policy: the
+    per-version gap is as small as at T = 1 (a trainer scoring at T = 1 shows a gap near 0.5)."""
+    views = wait_all(stack, [{"name": f"t{t}", "task": "reverse", "steps": 5, "seed": 6,
+                              "grpo": {"temperature": t}} for t in (0.7, 1.0)])
+    assert all(v.state == "completed" for v in views), views
+    spans = run(all_spans(stack.nats_url))
+    tempered, plain = (gaps_by_version(spans, v.id) for v in views)
+    print(f"logprob gap per version at T=0.7: {tempered}\n                       at T=1.0: {plain}")
+    assert sorted(tempered) == sorted(plain) == list(range(5))
+    assert max(tempered.values()) <= max(10 * max(plain.values()), MAX_LOGPROB_GAP)
+    assert audit_training([s for s in spans if s.job in {v.id for v in views}]) == []
+
+
+def test_the_same_spec_twice_trains_on_the_same_problems(stack):
+    """Problems and sampling seeds come from (task, dataset, seed, version), not the job id."""
+    spec = {"name": "twice", "task": "addition", "steps": 2, "seed": 11}
+    first = wait_all(stack, [spec])[0]
+    second = wait_all(stack, [spec])[0]  # one after the other
+    assert first.id != second.id and first.state == second.state == "completed"
+    spans = run(all_spans(stack.nats_url))
+
+    def recorded(job: str, phase: str, attr: str) -> dict[int, str]:
+        return {s.version: s.attrs[attr] for s in spans if s.job == job and s.phase == phase}
+
+    assert recorded(first.id, "generate", "problems_sha") == recorded(second.id, "generate", "problems_sha")
+    assert recorded(first.id, "reward", "rewards_sha")[0] == recorded(second.id, "reward", "rewards_sha")[0]
+    assert first.rewards[0] == second.rewards[0]
+    assert recorded(first.id, "generate", "problems_sha")[0] != recorded(first.id, "generate", "problems_sha")[1]
+
+
+@pytest.mark.timeout(300)
+def test_a_user_process_follows_a_job_and_evaluates_each_version(stack):
+    """The README's example: on every committed version, pull the adapter and evaluate it with peft."""
+    (job,) = run(submit_only(stack, [{"name": "followed", "task": "addition", "steps": 3, "seed": 8}]))
+    example = subprocess.run(
+        [sys.executable, "examples/evaluate_each_version.py", job, "--problems", "5"],
+        capture_output=True, text=True, timeout=240, cwd=Path(__file__).parents[2],
+        env={**os.environ, "MARLAAS_HOME": str(stack.home), "MARLAAS_NATS_URL": "", "MARLAAS_STORE_URL": ""})
+    assert example.returncode == 0, example.stderr[-2000:]
+    lines = example.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == [f"version {v}" for v in range(4)], lines
+    assert all(0.0 <= float(line.rsplit(" ", 1)[1]) <= 1.0 for line in lines)
+
+
+async def submit_only(stack, jobs: list[dict]) -> list[str]:
+    client = await Client.connect(stack.nats_url)
+    ids = [await client.submit(job) for job in jobs]
+    await client.close()
+    return ids

@@ -1,8 +1,10 @@
-"""The GRPO loss: advantages, logprob alignment, clipping, KL, gradient direction."""
+"""The GRPO loss: advantages, tempered scoring, micro-batch shares, clipping, KL, gradient direction."""
 
 import torch
 
-from services.trainer.grpo import group_advantages, grpo_loss, token_logprobs
+from services.trainer.grpo import (
+    group_advantages, grpo_loss, head_logprobs, micro_batches, scored_positions, token_logprobs,
+)
 
 
 def test_advantages_are_normalized_within_each_group():
@@ -49,3 +51,101 @@ def test_masked_tokens_do_not_count_and_kl_is_zero_at_the_reference():
     out = grpo_loss(lp, lp, mask, torch.tensor([2.0]), clip_eps=0.2, kl_coef=0.5, ref_logprobs_B_T=lp)
     assert torch.isclose(out.loss, torch.tensor(-2.0))  # mean over the 2 unmasked tokens of -A
     assert out.kl == 0.0
+
+
+def test_advantages_have_zero_mean_and_unit_std_within_each_group():
+    rewards = torch.tensor([1.0, 0.0, 0.3, 0.2, 0.9, 0.4, 0.4, 0.1])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1])
+    adv = group_advantages(rewards, groups)
+    for g in (0, 1):
+        members = adv[groups == g]
+        assert abs(members.mean().item()) < 1e-3
+        assert abs(members.std(unbiased=False).item() - 1.0) < 1e-3  # population std, up to the 1e-4
+
+
+def test_dr_grpo_advantages_are_centered_but_not_scaled():
+    rewards = torch.tensor([1.0, 0.0, 0.2, 0.9, 0.4, 0.5])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    adv = group_advantages(rewards, groups, scale_by_std=False)
+    for g in (0, 1):
+        r = rewards[groups == g]
+        assert torch.allclose(adv[groups == g], r - r.mean())
+    assert abs(adv[groups == 0].std(unbiased=False).item() - 1.0) > 0.1
+
+
+def test_tempered_scoring_is_log_softmax_of_the_scaled_logits():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, 11) * 3
+    tokens = torch.randint(0, 11, (2, 6))
+    tempered = token_logprobs(logits, tokens, temperature=0.7)
+    expected = torch.log_softmax(logits[:, :-1] / 0.7, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    assert torch.allclose(tempered[:, 1:], expected, atol=1e-6)
+    # a trainer scoring at T=1 would see a gap on every token of an on-policy batch
+    assert (tempered[:, 1:] - token_logprobs(logits, tokens)[:, 1:]).abs().min() > 1e-3
+
+
+def test_chunked_head_scoring_matches_full_logits_in_value_and_gradient():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 13, bias=False)
+    hidden = torch.randn(10, 8, requires_grad=True)
+    targets = torch.randint(0, 13, (10,))
+    chunked = head_logprobs(hidden, targets, head, temperature=0.7, chunk=3)  # 4 chunks, the last short
+    (grad_chunked,) = torch.autograd.grad(chunked.sum(), hidden)
+    full = torch.log_softmax(head(hidden) / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1)
+    (grad_full,) = torch.autograd.grad(full.sum(), hidden)
+    assert torch.allclose(chunked, full, atol=1e-6)
+    assert torch.allclose(grad_chunked, grad_full, atol=1e-6)
+
+
+def test_scored_positions_skip_unmasked_tokens_and_the_first_position():
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0], [0.0, 1.0, 0.0, 0.0]])
+    rows, cols = scored_positions(mask)
+    assert list(zip(rows.tolist(), cols.tolist())) == [(0, 2), (0, 3), (1, 1)]
+
+
+def test_micro_batches_fit_the_budget_and_an_oversized_sample_stands_alone():
+    lengths = [5, 30, 7, 7, 12, 3, 6, 40]
+    groups = micro_batches(lengths, token_budget=24)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        width = max(lengths[i] for i in g)
+        assert len(g) * width <= 24 or len(g) == 1
+    assert [7] in groups and [1] in groups  # 40 and 30 tokens: over budget, alone
+    assert micro_batches(lengths, token_budget=10_000) == [sorted(range(8), key=lambda i: -lengths[i])]
+
+
+def test_micro_batch_shares_sum_to_the_whole_batch_loss_and_metrics():
+    torch.manual_seed(0)
+    lp = torch.randn(4, 5) * 0.3 - 1
+    sample = lp + torch.randn(4, 5) * 0.3  # some ratios beyond the trust region
+    ref = lp + torch.randn(4, 5) * 0.2
+    mask = (torch.rand(4, 5) > 0.3).float()
+    adv = torch.tensor([1.0, -0.5, 0.3, -1.2])
+    whole = grpo_loss(lp, sample, mask, adv, 0.2, kl_coef=0.1, ref_logprobs_B_T=ref)
+    n = mask.sum().item()
+    parts = [grpo_loss(lp[r], sample[r], mask[r], adv[r], 0.2, 0.1, ref[r], total_tokens=n)
+             for r in ([0, 2], [1], [3])]
+    assert torch.isclose(sum(p.loss for p in parts), whole.loss, atol=1e-6)
+    for name in ("clip_fraction", "kl", "logprob_gap"):
+        assert abs(sum(getattr(p, name) for p in parts) - getattr(whole, name)) < 1e-6
+    assert 0 < whole.clip_fraction < 1 and whole.kl > 0
+
+
+def test_kl_is_positive_off_the_reference_and_its_gradient_pulls_back_to_it():
+    lp = torch.tensor([[-0.5, -2.0]], requires_grad=True)  # one token above, one below the reference
+    ref = torch.tensor([[-1.0, -1.0]])
+    out = grpo_loss(lp, lp.detach(), torch.ones(1, 2), torch.zeros(1), clip_eps=0.2,
+                    kl_coef=1.0, ref_logprobs_B_T=ref)
+    out.loss.backward()
+    assert out.kl > 0
+    assert lp.grad[0, 0] > 0 and lp.grad[0, 1] < 0  # descending moves both logprobs toward ref
+    stepped = lp.detach() - 0.1 * lp.grad
+    assert ((stepped - ref).abs() < (lp.detach() - ref).abs()).all()
+
+
+def test_lower_side_clipping_stops_the_gradient_of_a_negative_advantage():
+    new = torch.tensor([[-0.5]], requires_grad=True)  # ratio e^-0.5 < 0.8, already pushed down
+    out = grpo_loss(new, torch.zeros(1, 1), torch.ones(1, 1), torch.tensor([-1.0]), clip_eps=0.2)
+    out.loss.backward()
+    assert new.grad.abs().item() == 0.0
+    assert out.clip_fraction == 1.0

@@ -1,7 +1,9 @@
-"""The trainer's model with real torch + peft on the built-in base: v0 init, GRPO steps, resume."""
+"""The trainer's model with real torch + peft on the built-in base: v0 init, GRPO steps, resume,
+micro-batching against a whole-batch reference, tempered scoring, non-finite updates."""
 
 import math
 
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
@@ -9,7 +11,7 @@ from safetensors.torch import load as load_safetensors
 from marlaas.adapters import init_adapter
 from marlaas.basemodel import builtin_model_dir
 from marlaas.events import GrpoSettings, LoraSettings, Sample, TrajectoryBatch
-from services.trainer.policy import NonFiniteUpdate, PolicyTrainer
+from services.trainer.policy import NonFiniteUpdate, PolicyTrainer, find_decoder_and_head
 
 SETTINGS = GrpoSettings(learning_rate=1e-2)
 
@@ -85,6 +87,32 @@ def test_non_finite_updates_are_refused(base_dir, v0):
         trainer.train_step("t.job", batch([float("nan"), 0.0, 1.0, 0.0]), SETTINGS)
 
 
+def test_a_non_finite_gradient_is_refused(base_dir, v0):
+    trainer = PolicyTrainer(base_dir)
+    trainer.load("t.job", 0, *v0, None, SETTINGS)
+    data = batch([1.0, 0.0, 0.0, 0.0])
+    first = data.samples[0]  # positive advantage: its clipped loss term stays finite, its gradient does not
+    poisoned = msgspec.structs.replace(first, logprobs=[float("-inf")] + first.logprobs[1:])
+    with pytest.raises(NonFiniteUpdate, match="gradient norm is nan at version 0"):
+        trainer.train_step("t.job", TrajectoryBatch(samples=[poisoned, *data.samples[1:]]), SETTINGS)
+    assert trainer.hot_version("t.job") == 0
+
+
+def test_non_finite_weights_are_refused(base_dir, v0, monkeypatch):
+    trainer = PolicyTrainer(base_dir)
+    trainer.load("t.job", 0, *v0, None, SETTINGS)
+    hot = trainer.hot["t.job"]
+
+    def overflowing_step():  # what an overflowing update does, with a finite gradient
+        with torch.no_grad():
+            hot.params[0].fill_(float("inf"))
+
+    monkeypatch.setattr(hot.optimizer, "step", overflowing_step)
+    with pytest.raises(NonFiniteUpdate, match="weights became non-finite after the step at version 0"):
+        trainer.train_step("t.job", batch([1.0, 0.0, 0.0, 0.0]), SETTINGS)
+    assert trainer.hot_version("t.job") == 0
+
+
 def test_jobs_keep_separate_adapters(base_dir, v0):
     trainer = PolicyTrainer(base_dir)
     trainer.load("t.a", 0, *v0, None, SETTINGS)
@@ -113,3 +141,132 @@ def test_grpo_step_on_cuda(base_dir, v0):
     trainer.load("t.job", 0, *v0, None, SETTINGS)
     result = trainer.train_step("t.job", batch([1.0, 0.0, 0.0, 0.0]), SETTINGS)
     assert math.isfinite(result.metrics["loss"]) and trainer.hot_version("t.job") == 1
+
+
+# --- micro-batching and tempered scoring against today's whole-batch math ------------------
+
+
+def uneven_batch(trainer: PolicyTrainer, job: str, temperature: float) -> TrajectoryBatch:
+    """Two groups, lengths 4..16, some masked-out tokens; sample logprobs near the policy's own."""
+    gen = torch.Generator().manual_seed(3)
+    samples = []
+    for i in range(8):
+        prompt = torch.randint(3, 128, (3 + 2 * (i % 2),), generator=gen).tolist()
+        completion = torch.randint(3, 128, (1 + (5 * i) % 12,), generator=gen).tolist()
+        mask = [0 if (i + t) % 5 == 4 else 1 for t in range(len(completion))]  # e.g. tool output
+        samples.append(Sample(group=i % 2, prompt_ids=prompt, completion_ids=completion,
+                              logprobs=[0.0] * len(completion), loss_mask=mask, reward=float((i * 7) % 5)))
+    own = reference_logprobs(trainer, job, samples, temperature)
+    noisy = [[lp + 0.3 * torch.randn((), generator=gen).item() for lp in lps] for lps in own]
+    return TrajectoryBatch(samples=[msgspec.structs.replace(s, logprobs=lps) for s, lps in zip(samples, noisy)])
+
+
+def pack(samples: list[Sample]):
+    width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    tokens, attn, mask, sample_lp = (torch.zeros(len(samples), width) for _ in range(4))
+    for i, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        tokens[i, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids, dtype=torch.float32)
+        attn[i, : p + c] = 1
+        mask[i, p : p + c] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        sample_lp[i, p : p + c] = torch.tensor(s.logprobs)
+    return tokens.long(), attn.long(), mask, sample_lp
+
+
+def full_logprobs(model, tokens, attn, temperature):
+    """The whole batch in one forward, full fp32 log-softmax over the vocabulary."""
+    logits = model(input_ids=tokens, attention_mask=attn).logits
+    lp = torch.log_softmax(logits[:, :-1].float() / temperature, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(lp, (1, 0))
+
+
+def reference_logprobs(trainer, job, samples, temperature) -> list[list[float]]:
+    trainer.model.set_adapter(trainer.hot[job].slot)
+    tokens, attn, _, _ = pack(samples)
+    with torch.no_grad():
+        lp = full_logprobs(trainer.model, tokens, attn, temperature)
+    return [lp[i, len(s.prompt_ids): len(s.prompt_ids) + len(s.completion_ids)].tolist()
+            for i, s in enumerate(samples)]
+
+
+def reference_loss(trainer, job, data: TrajectoryBatch, settings: GrpoSettings) -> torch.Tensor:
+    """Today's math, written out: one padded batch, token-mean clipped loss + kl_coef * token-mean k3."""
+    model = trainer.model
+    model.set_adapter(trainer.hot[job].slot)
+    model.train()
+    tokens, attn, mask, sample_lp = pack(data.samples)
+    rewards = torch.tensor([s.reward for s in data.samples])
+    groups = torch.tensor([s.group for s in data.samples])
+    adv = torch.zeros_like(rewards)
+    for g in groups.unique():
+        r = rewards[groups == g]
+        adv[groups == g] = (r - r.mean()) / (r.std(unbiased=False) + 1e-4) if settings.scale_by_std else r - r.mean()
+    lp = full_logprobs(model, tokens, attn, settings.temperature)
+    ratio = torch.exp((lp - sample_lp) * mask)
+    eps = settings.clip_eps
+    surrogate = torch.minimum(ratio * adv[:, None], ratio.clamp(1 - eps, 1 + eps) * adv[:, None])
+    loss = -(surrogate * mask).sum() / mask.sum()
+    if settings.kl_coef > 0:
+        with torch.no_grad(), model.disable_adapter():
+            ref = full_logprobs(model, tokens, attn, settings.temperature)
+        delta = ref - lp
+        loss = loss + settings.kl_coef * ((delta.exp() - delta - 1) * mask).sum() / mask.sum()
+    return loss
+
+
+@pytest.fixture(scope="module")
+def perturbed(base_dir, v0):
+    """A trainer whose job's LoRA is far from zero, so the adapter (and the KL) matter."""
+    trainer = PolicyTrainer(base_dir, micro_batch_tokens=12)  # several micro-batches, some oversized rows
+    trainer.load("t.job", 0, *v0, None, SETTINGS)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in trainer.hot["t.job"].params:
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return trainer
+
+
+@pytest.mark.parametrize("temperature,kl_coef,split_head", [
+    (1.0, 0.0, True), (0.7, 0.0, True), (0.7, 0.2, True), (0.7, 0.2, False),
+])
+def test_micro_batched_loss_and_gradients_equal_the_whole_batch(perturbed, temperature, kl_coef, split_head):
+    trainer, job = perturbed, "t.job"
+    settings = GrpoSettings(temperature=temperature, kl_coef=kl_coef)
+    data = uneven_batch(trainer, job, temperature)
+    params = trainer.hot[job].params
+    for p in params:
+        p.grad = None
+    expected = reference_loss(trainer, job, data, settings)
+    expected.backward()
+    expected_grads = [p.grad.clone() for p in params]
+
+    trainer.split_head = split_head
+    try:
+        got = trainer.accumulate_gradients(job, data, settings)
+    finally:
+        trainer.split_head = True
+    assert abs(got["loss"] - expected.item()) < 1e-5
+    assert got["tokens"] == sum(sum(s.loss_mask) for s in data.samples)
+    assert 0 < got["clip_fraction"] < 1 and (got["kl"] > 0) == (kl_coef > 0)
+    worst = max((p.grad - g).abs().max().item() for p, g in zip(params, expected_grads))
+    assert worst < 1e-5
+    assert max(g.abs().max().item() for g in expected_grads) > 1e-3  # the comparison is not vacuous
+
+
+def test_the_trainer_scores_the_tempered_policy(perturbed):
+    trainer, job = perturbed, "t.job"
+    data = uneven_batch(trainer, job, 0.7)
+    engine_logprobs = reference_logprobs(trainer, job, data.samples, 0.7)  # what the engine reports at T=0.7
+    on_policy = TrajectoryBatch(samples=[msgspec.structs.replace(s, logprobs=lps)
+                                         for s, lps in zip(data.samples, engine_logprobs)])
+    at_sampling_t = trainer.accumulate_gradients(job, on_policy, GrpoSettings(temperature=0.7))
+    at_t1 = trainer.accumulate_gradients(job, on_policy, GrpoSettings(temperature=1.0))
+    assert at_sampling_t["logprob_gap"] < 1e-5 and at_sampling_t["clip_fraction"] == 0.0
+    assert at_t1["logprob_gap"] > 1e-2
+
+
+def test_the_decoder_and_head_are_found_through_peft(perturbed):
+    decoder, head = find_decoder_and_head(perturbed.model)
+    assert head is perturbed.base.get_output_embeddings()
+    assert any("lora_A" in name for name, _ in decoder.named_parameters())  # the adapter lives inside
+    assert perturbed.split_head

@@ -42,7 +42,9 @@ sampling settings (``top_k``, ``temperature``...) from it, so none are written.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import re
 import random
 import string
 import time
@@ -55,8 +57,9 @@ from tqdm import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from marlaas.tasks import get_task
+from marlaas.tools.protocol import CALL_CLOSE, ParsedCall, observation_text, parse_call, render_call
 
-TASKS = ("addition", "reverse", "repeat")
+TASKS = ("addition", "reverse", "repeat", "multiply")
 SPECIALS = ("<pad>", "<eos>", "<unk>")
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 VOCAB_MULTIPLE = 64
@@ -67,12 +70,19 @@ THREADS = 2
 # Label smoothing per task (see the docstring): the share of each answer token's target
 # spread uniformly over the task's output alphabet. Calibrated so that the
 # temperature-1.0 reward is about 0.45 while the greedy reward is ~0.9 or more.
-EPS = {"addition": 0.42, "reverse": 0.44, "repeat": 0.38}
+EPS = {"addition": 0.42, "reverse": 0.44, "repeat": 0.38, "multiply": 0.3}
 # Relative weights in the mix: addition is learnt far more slowly than the copying tasks.
-WEIGHTS = {"addition": 4.0, "reverse": 1.0, "repeat": 1.0}
+WEIGHTS = {"addition": 4.0, "reverse": 1.0, "repeat": 1.0, "multiply": 2.0}
+# The agentic task (multiply): the share of its problems taught as a calculator call (the rest
+# are answered directly, i.e. guessed), and the smoothing of the characters copied into the
+# call's expression and out of the tool's result (the call's fixed template is taught exactly).
+CALL_SHARE = 0.35
+SHORT_CHARS = 40  # examples up to this long share one forward pass, longer ones another
+EPS_COPY = 0.12
 # Sanity bands checked (with a warning) on the held-out table.
 GREEDY_MIN = 0.8
 SAMPLED_BAND = (0.35, 0.55)
+CALL_BAND = (0.2, 0.5)  # the agentic task's share of temperature-1.0 episodes with a well-formed call
 BATCH = 64
 LR = 1e-3
 WARMUP = 50
@@ -130,67 +140,123 @@ def build_model(vocab_size: int) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(config).float()
 
 
-def make_batch(tok, problems: list[dict]) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+answer+<eos>; labels only on the answer and <eos>."""
-    rows, labels = [], []
-    for p in problems:
-        prompt = tok.encode(p["prompt"], add_special_tokens=False)
-        answer = tok.encode(p["answer"], add_special_tokens=False) + [EOS_ID]
-        rows.append(prompt + answer)
-        labels.append([-100] * len(prompt) + answer)
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), PAD_ID)
-    lab = torch.full((len(rows), width), -100)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (r, lb) in enumerate(zip(rows, labels)):
-        ids[i, : len(r)] = torch.tensor(r)
-        lab[i, : len(lb)] = torch.tensor(lb)
-        mask[i, : len(r)] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": lab}
+# Smoothing alphabets: the plausible outputs a smoothed target spreads its mass over.
+ALPHABETS = {"digits": string.digits, "letters": string.ascii_lowercase}
+TASK_ALPHABET = {"addition": "digits", "reverse": "letters", "repeat": "letters", "multiply": "digits"}
 
 
-def smoothing_targets(tok, vocab_size: int) -> dict[str, torch.Tensor]:
-    """Per task, the uniform distribution over its plausible outputs (answer characters and <eos>)."""
-    alphabets = {"addition": string.digits, "reverse": string.ascii_lowercase, "repeat": string.ascii_lowercase}
-    out = {}
-    for name in TASKS:
-        ids = tok.convert_tokens_to_ids(list(alphabets[name])) + [EOS_ID]
-        dist = torch.zeros(vocab_size)
-        dist[ids] = 1.0 / len(ids)
-        out[name] = dist
+def segments(task_name: str, problem: dict, rng: random.Random) -> list[tuple[str, bool, float]]:
+    """A training example as (text, trained, smoothing eps) pieces, prompt first, ``<eos>`` implied.
+
+    A single-turn task is its prompt and its answer. ``multiply`` is either a calculator call,
+    the tool's response (not trained: it comes from the tool) and the copied answer, or (in
+    1 - CALL_SHARE of examples) a direct answer, which the model can only learn to guess.
+    """
+    answer_eps = EPS[task_name]
+    if task_name != "multiply":
+        return [(problem["prompt"], False, 0.0), (problem["answer"], True, answer_eps)]
+    if rng.random() >= CALL_SHARE:
+        return [(problem["prompt"], False, 0.0), (problem["answer"], True, answer_eps)]
+    call = render_call("calculator", {"expression": problem["expression"]})
+    head, tail = call.split(problem["expression"])
+    return [(problem["prompt"], False, 0.0), (head, True, 0.0), (problem["expression"], True, EPS_COPY),
+            (tail, True, 0.0), (observation_text(problem["answer"]), False, 0.0),
+            (problem["answer"], True, EPS_COPY)]
+
+
+def make_batch(tok, examples: list[tuple[str, list[tuple[str, bool, float]]]]) -> dict[str, torch.Tensor]:
+    """Right-padded examples + ``<eos>``; labels, per-token smoothing and alphabet on trained pieces only."""
+    alphabet_ids = {name: i for i, name in enumerate(ALPHABETS)}
+    rows = []
+    for task_name, pieces in examples:
+        ids, labels, eps = [], [], []
+        for text, trained, piece_eps in pieces:
+            piece = tok.encode(text, add_special_tokens=False)
+            ids += piece
+            labels += piece if trained else [-100] * len(piece)
+            eps += [piece_eps] * len(piece)
+        ids.append(EOS_ID)
+        labels.append(EOS_ID)
+        eps.append(pieces[-1][2])
+        rows.append((ids, labels, eps, alphabet_ids[TASK_ALPHABET[task_name]]))
+    width = max(len(r[0]) for r in rows)
+    out = {
+        "input_ids": torch.full((len(rows), width), PAD_ID),
+        "labels": torch.full((len(rows), width), -100),
+        "attention_mask": torch.zeros((len(rows), width), dtype=torch.long),
+        "eps": torch.zeros((len(rows), width)),
+        "alphabet": torch.zeros(len(rows), dtype=torch.long),
+    }
+    for i, (ids, labels, eps, alphabet) in enumerate(rows):
+        out["input_ids"][i, : len(ids)] = torch.tensor(ids)
+        out["labels"][i, : len(ids)] = torch.tensor(labels)
+        out["attention_mask"][i, : len(ids)] = 1
+        out["eps"][i, : len(ids)] = torch.tensor(eps)
+        out["alphabet"][i] = alphabet
+    return out
+
+
+def smoothing_targets(tok, vocab_size: int) -> torch.Tensor:
+    """[alphabets, V]: the uniform distribution over each alphabet's characters and <eos>."""
+    out = torch.zeros(len(ALPHABETS), vocab_size)
+    for i, chars in enumerate(ALPHABETS.values()):
+        ids = tok.convert_tokens_to_ids(list(chars)) + [EOS_ID]
+        out[i, ids] = 1.0 / len(ids)
     return out
 
 
 def smoothed_loss(logits: torch.Tensor, labels: torch.Tensor, eps: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy against ``(1 - eps) * one_hot(label) + eps * uniform``, per row.
+    """Cross-entropy against ``(1 - eps) * one_hot(label) + eps * uniform``, per token.
 
     ``logits`` [B, T, V] and ``labels`` [B, T] as the model sees them (shifted here),
-    ``eps`` [B] and ``uniform`` [B, V] the smoothing of each row's task.
+    ``eps`` [B, T] the smoothing of each label and ``uniform`` [B, V] each row's alphabet.
     """
-    logits, labels = logits[:, :-1].float(), labels[:, 1:]
+    logits, labels, eps = logits[:, :-1].float(), labels[:, 1:], eps[:, 1:]
     valid = labels != -100
     logp = F.log_softmax(logits, dim=-1)
     nll = -logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     smooth = -(logp * uniform[:, None, :]).sum(-1)
-    per_token = (1 - eps[:, None]) * nll + eps[:, None] * smooth
-    return per_token[valid].mean()
+    per_token = (1 - eps) * nll + eps * smooth
+    return per_token[valid].sum(), valid.sum()
+
+
+def generate(model, tok, prompts: list[str], max_new_tokens: int, sample: bool) -> list[str]:
+    """transformers ``generate`` (greedy or temperature 1.0), cut after a tool call's closing tag."""
+    tok.padding_side = "left"
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    kwargs = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {"do_sample": False}
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, eos_token_id=EOS_ID, pad_token_id=PAD_ID, **kwargs)
+    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    return [t[: t.index(CALL_CLOSE) + len(CALL_CLOSE)] if CALL_CLOSE in t else t for t in texts]
+
+
+def calculator(arguments: str) -> str:
+    """The stand-in for the calculator tool during evaluation: products of two integers only."""
+    found = re.fullmatch(r"\s*(\d+)\s*\*\s*(\d+)\s*", str(json.loads(arguments).get("expression", "")))
+    return str(int(found[1]) * int(found[2])) if found else "error: not a product"
 
 
 @torch.no_grad()
-def evaluate(model, tok, task_name: str, problems: list[dict], sample: bool, seed: int = 0) -> float:
-    """Mean reward of transformers ``generate`` completions (greedy or temperature 1.0)."""
+def evaluate(model, tok, task_name: str, problems: list[dict], sample: bool, seed: int = 0) -> tuple[float, float]:
+    """Mean reward (and the share of episodes with a well-formed tool call) of generated completions."""
     task = get_task(task_name)
-    tok.padding_side = "left"
-    enc = tok([p["prompt"] for p in problems], return_tensors="pt", padding=True, add_special_tokens=False)
     torch.manual_seed(seed)
-    kwargs = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {"do_sample": False}
     model.eval()
-    out = model.generate(
-        **enc, max_new_tokens=task.max_new_tokens, eos_token_id=EOS_ID, pad_token_id=PAD_ID, **kwargs
-    )
+    texts = generate(model, tok, [p["prompt"] for p in problems], task.max_new_tokens, sample)
+    called = [False] * len(problems)
+    if task.tools:  # one tool round: run the calls, append the responses, generate the answers
+        calls = [parse_call(t) for t in texts]
+        called = [isinstance(c, ParsedCall) for c in calls]
+        todo = [i for i, ok in enumerate(called) if ok]
+        for i in todo:
+            texts[i] += observation_text(calculator(calls[i].arguments))
+        if todo:
+            answers = generate(model, tok, [problems[i]["prompt"] + texts[i] for i in todo], 8, sample)
+            for i, answer in zip(todo, answers):
+                texts[i] += answer
     model.train()
-    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    return sum(task.reward(p, t) for p, t in zip(problems, texts)) / len(problems)
+    reward = sum(task.reward(p, t) for p, t in zip(problems, texts)) / len(problems)
+    return reward, sum(called) / len(problems)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -212,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {len(tok)}")
 
     tasks = {name: get_task(name) for name in TASKS}
+    rng_calls = random.Random(SEED + 1)  # which multiply examples are taught as a tool call
     uniforms = smoothing_targets(tok, len(tok))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, betas=(0.9, 0.98))
 
@@ -225,10 +292,20 @@ def main(argv: list[str] | None = None) -> None:
     bar = tqdm(range(1, args.steps + 1), desc="pretrain", unit="step")
     for step in bar:
         names = rng.choices(TASKS, weights=[WEIGHTS[n] for n in TASKS], k=BATCH)
-        batch = make_batch(tok, [tasks[n].sample_problem(rng) for n in names])
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        eps = torch.tensor([EPS[n] for n in names])
-        loss = smoothed_loss(logits, batch["labels"], eps, torch.stack([uniforms[n] for n in names]))
+        examples = [(n, segments(n, tasks[n].sample_problem(rng), rng_calls)) for n in names]
+        # tool-call episodes are ~6x longer than the rest: two forwards instead of padding all rows
+        total, tokens = torch.zeros(()), torch.zeros(())
+        for part in (
+            [e for e in examples if sum(len(t) for t, _, _ in e[1]) <= SHORT_CHARS],
+            [e for e in examples if sum(len(t) for t, _, _ in e[1]) > SHORT_CHARS],
+        ):
+            if part:
+                batch = make_batch(tok, part)
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                part_sum, part_tokens = smoothed_loss(logits, batch["labels"], batch["eps"],
+                                                      uniforms[batch["alphabet"]])
+                total, tokens = total + part_sum, tokens + part_tokens
+        loss = total / tokens  # the token mean over the whole batch
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -249,14 +326,17 @@ def main(argv: list[str] | None = None) -> None:
     GenerationConfig(eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(args.out)
 
     print(f"\nheld-out evaluation ({args.eval_problems} problems per task, transformers generate)")
-    print(f"{'task':<10} {'greedy':>7} {'T=1.0':>7}")
+    print(f"{'task':<10} {'greedy':>7} {'T=1.0':>7} {'T=1.0 tool calls':>17}")
     warnings = []
     for n in TASKS:
         problems = tasks[n].problems(args.eval_problems, seed=EVAL_SEED)
-        greedy = evaluate(model, tok, n, problems, sample=False)
-        sampled = evaluate(model, tok, n, problems, sample=True, seed=EVAL_SEED)
-        print(f"{n:<10} {greedy:>7.3f} {sampled:>7.3f}")
-        if greedy < GREEDY_MIN or not SAMPLED_BAND[0] <= sampled <= SAMPLED_BAND[1]:
+        greedy, _ = evaluate(model, tok, n, problems, sample=False)
+        sampled, calls = evaluate(model, tok, n, problems, sample=True, seed=EVAL_SEED)
+        print(f"{n:<10} {greedy:>7.3f} {sampled:>7.3f} {calls:>17.2f}")
+        if tasks[n].tools:  # agentic: greedy guesses (it calls on a minority); sampled calls sometimes
+            if not CALL_BAND[0] <= calls <= CALL_BAND[1] or not SAMPLED_BAND[0] <= sampled <= SAMPLED_BAND[1]:
+                warnings.append(f"{n}: T=1.0 {sampled:.3f} (want {SAMPLED_BAND}), calls {calls:.2f} (want {CALL_BAND})")
+        elif greedy < GREEDY_MIN or not SAMPLED_BAND[0] <= sampled <= SAMPLED_BAND[1]:
             warnings.append(f"{n}: greedy {greedy:.3f} (want >= {GREEDY_MIN}), T=1.0 {sampled:.3f} (want {SAMPLED_BAND})")
     for w in warnings:
         print(f"WARNING: {w}; retune EPS/WEIGHTS/--steps")

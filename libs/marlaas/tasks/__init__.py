@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from marlaas.tasks.agentic import Multiply
 from marlaas.tasks.base import Task, TaskError
 from marlaas.tasks.gsm8k import Gsm8k
 from marlaas.tasks.toy import Addition, Repeat, Reverse
 
-REGISTRY: dict[str, type[Task]] = {t.name: t for t in (Addition, Reverse, Repeat, Gsm8k)}
+REGISTRY: dict[str, type[Task]] = {t.name: t for t in (Addition, Reverse, Repeat, Multiply, Gsm8k)}
 
 
 def get_task(name: str, dataset: str | None = None) -> Task:

@@ -21,8 +21,12 @@ class Task(abc.ABC):
     name: ClassVar[str]
     kind: ClassVar[Literal["single-turn", "agentic"]] = "single-turn"
     description: ClassVar[str]
-    max_new_tokens: ClassVar[int] = 16  # a generation budget that fits the answers
+    max_new_tokens: ClassVar[int] = 16  # a generation budget that fits the answers (per turn)
     needs_dataset: ClassVar[bool] = False
+    # agentic tasks: the tools the model may call (names as in a job spec), and per-episode limits
+    tools: ClassVar[tuple[str, ...]] = ()
+    max_tool_calls: ClassVar[int] = 5  # as the paper's search agent
+    max_observation_tokens: ClassVar[int] = 64  # longer tool results are cut with a visible marker
 
     def __init__(self, dataset: str | None = None) -> None:
         if dataset and not self.needs_dataset:
@@ -38,6 +42,14 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def reward(self, problem: dict, completion: str) -> float:
         """Judge ``completion`` against ``problem``; a value in [0, 1]."""
+
+    def max_episode_tokens(self, max_new_tokens: int) -> int:
+        """Tokens an episode may add after its prompt: one turn, or for an agentic task every
+        allowed call with its observation and a final answer (the KV-cache footprint's size)."""
+        if self.kind != "agentic":
+            return max_new_tokens
+        observation = self.max_observation_tokens + 48  # the response tags around a result
+        return (self.max_tool_calls + 1) * max_new_tokens + self.max_tool_calls * observation
 
     def longest_prompts(self) -> list[str]:
         """Prompts to size the KV cache by: a sample here; every prompt for a finite dataset."""

@@ -1,0 +1,44 @@
+"""The on-policy audit: what each trained batch was sampled and trained from, read back from spans.
+
+The trainer checks a batch's version against the committed one before it trains;
+this audit does not re-read that check. It compares facts recorded where they live:
+the version in the batch's event, the adapter version rollout says the engine served
+(``sampled_version``), the version of the adapter in the trainer's memory when it
+stepped (``adapter_version``), and the engine-vs-trainer ``logprob_gap`` (mean
+|log p_trainer - log p_engine| over the batch's trained tokens). The gap is the one
+signal that sees weights rather than labels: an engine serving stale or another job's
+weights under the right name (vllm#47724, #42125) shows up there and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from marlaas.events import Span
+
+# fp32 on both sides agrees to ~1e-6 per token here; one optimizer step of lr 2e-3 moves it ~1e-3
+MAX_LOGPROB_GAP = 2e-4
+
+
+def audit_training(spans: list[Span], max_logprob_gap: float = MAX_LOGPROB_GAP) -> list[str]:
+    """Every violation of strict on-policy training found in the ``train`` spans, as readable lines."""
+    problems = []
+    train = [s for s in spans if s.phase == "train"]
+    for (job, version), count in Counter((s.job, s.version) for s in train).items():
+        if count > 1:
+            problems.append(f"{job} v{version}: trained {count} times")
+    for s in train:
+        recorded = {name: s.attrs.get(name) for name in ("batch_version", "sampled_version", "adapter_version")}
+        wrong = {name: value for name, value in recorded.items() if value != s.version}
+        if wrong:
+            problems.append(f"{s.job} v{s.version}: trained from other versions {wrong}")
+        gap = s.attrs.get("logprob_gap")
+        if not isinstance(gap, float) or not gap <= max_logprob_gap:
+            problems.append(f"{s.job} v{s.version}: engine-vs-trainer logprob gap {gap} > {max_logprob_gap}")
+    return problems
+
+
+def gaps_by_version(spans: list[Span], job: str) -> dict[int, float]:
+    """The engine-vs-trainer logprob gap of each trained version of ``job``."""
+    return {s.version: float(s.attrs["logprob_gap"]) for s in spans
+            if s.phase == "train" and s.job == job and "logprob_gap" in s.attrs}

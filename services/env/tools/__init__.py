@@ -1,0 +1,94 @@
+"""The env service's built-in tools (namespace ``builtin``): ``calculator``, ``search``, ``python``.
+
+Each is a small pure core (``calculator.py``, ``search.py``, ``python_sandbox.py``) wrapped
+as a :func:`marlaas.tools.tool`, so it is served by the same shell as a tenant's tools.
+:func:`serve_builtin_tools` subscribes them on a bus and keeps them announced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from marlaas.bus import Bus
+from marlaas.config import Config, EnvConfig
+from marlaas.tools import BUILTIN, DEFAULT_CORPUS, ServedTools, Tool, ToolError, serve_tools, tool
+from services.env.tools.calculator import CalculatorError, calculate, format_value
+from services.env.tools.latency import InjectedLatency
+from services.env.tools.python_sandbox import SandboxError, SandboxLimits, run_python
+from services.env.tools.search import MAX_K, SearchIndex, render_results
+
+
+def calculator_tool() -> Tool:
+    @tool(name="calculator")
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression exactly (integers stay exact).
+
+        Args:
+            expression: numbers with + - * / // % ** and parentheses, e.g. "(3 + 4) * 2**10".
+        """
+        try:
+            return format_value(calculate(expression))
+        except CalculatorError as exc:
+            raise ToolError(str(exc)) from None
+
+    return calculator
+
+
+def search_tool(index: SearchIndex, default_k: int) -> Tool:
+    @tool(name="search")
+    def search(query: str, k: int = default_k) -> str:
+        """Search the knowledge base; returns the best-matching passages, best first.
+
+        Args:
+            query: keywords to look for.
+            k: how many passages to return (1-20).
+        """
+        if not query.strip():
+            raise ToolError("query is empty: give keywords to search for")
+        if not 1 <= k <= MAX_K:
+            raise ToolError(f"k must be between 1 and {MAX_K}, not {k}")
+        return render_results(query, index.search(query, k))
+
+    return search
+
+
+def python_tool(limits: SandboxLimits) -> Tool:
+    @tool(name="python")
+    async def python(code: str) -> str:
+        """Run Python 3 code in a sandbox (no network, limited time and memory) and return its
+        stdout, stderr and exit status. Print what you want to see.
+
+        Args:
+            code: a complete Python program.
+        """
+        try:
+            run = await run_python(code, limits)
+        except SandboxError as exc:
+            raise ToolError(str(exc)) from None
+        return run.render()
+
+    return python
+
+
+def sandbox_limits(env: EnvConfig) -> SandboxLimits:
+    return SandboxLimits(timeout_s=env.python_timeout_s, memory_mb=env.python_memory_mb)
+
+
+def search_cache_dir(config: Config) -> Path:
+    return config.home_dir / "cache" / "search"
+
+
+async def builtin_tools(config: Config) -> list[Tool]:
+    """The built-in tools configured by ``config.env``; the search index is built (or loaded)
+    in a thread, so a large corpus does not stall the event loop."""
+    corpus = Path(config.env.search_corpus).expanduser() if config.env.search_corpus else DEFAULT_CORPUS
+    index = await asyncio.to_thread(SearchIndex.open, corpus, search_cache_dir(config))
+    return [calculator_tool(), search_tool(index, config.env.search_top_k),
+            python_tool(sandbox_limits(config.env))]
+
+
+async def serve_builtin_tools(bus: Bus, config: Config) -> ServedTools:
+    """Serve the built-ins on ``marlaas.tool.builtin.<name>`` with the configured injected latency."""
+    latency = InjectedLatency(config.env.tool_latency_s)
+    return await serve_tools(bus, await builtin_tools(config), BUILTIN, delay=latency or None)

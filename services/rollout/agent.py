@@ -1,0 +1,177 @@
+"""Multi-turn tool use: run one episode against the shared engine, calling tools over NATS.
+
+Each episode is its own task. A turn is one engine request with the exact ids so far
+(``TokensPrompt``; the prefix cache makes re-entry cheap) that stops at the closing call
+tag. The call is parsed from the decoded sampled ids, sent to ``marlaas.tool.<ns>.<tool>``
+(request/reply), and the result is tokenized and appended as an observation. While one
+episode waits on a tool, the engine keeps generating every other episode of every job.
+
+Nothing a tool or the model does raises out of an episode: a timeout, a tool error, an
+unknown tool, a call that is not JSON or a reply that is not a tool result becomes an
+observation the model reads. An episode ends when the model answers (no call), runs out
+of its turn budget, reaches its task's call limit, or would overflow the context.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from marlaas.events import TOOL, EventDecodeError, ToolCall, ToolResult, ToolSpec, encode
+from marlaas.tools.protocol import (
+    CALL_CLOSE, RESPONSE_CLOSE, RESPONSE_OPEN, TRUNCATED, CallError, ParsedCall, escape_result, parse_call,
+)
+from marlaas.tools.registry import qualify, tool_subject
+from services.rollout.engine import PolicyEngine
+from services.rollout.episode import Episode
+from services.rollout.utilization import Utilization
+
+# (subject, request bytes, timeout) -> reply bytes; raises TimeoutError when nobody answers in time
+Request = Callable[[str, bytes, float], Awaitable[bytes]]
+
+
+class ConversationFormat:
+    """How a job's prompt and each tool observation become token ids for this base model.
+
+    Models with a chat template get the template's own rendering (the tools described with
+    ``apply_chat_template(tools=...)``, the observation wrapped in the template's tool turn);
+    models without one (the built-in base) take the bare tags they were pretrained on.
+    Text from outside the model is tokenized with special tokens split, so a tool result or
+    a user's prompt can never forge a special token.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.chat = bool(getattr(tokenizer, "chat_template", None))
+        if self.chat:
+            self.obs_head, self.obs_tail = self._template_observation()
+        else:
+            self.obs_head, self.obs_tail = RESPONSE_OPEN, RESPONSE_CLOSE
+
+    def text_ids(self, text: str) -> list[int]:
+        """Ids of untrusted text: special-token names in it stay plain characters."""
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def markup_ids(self, text: str) -> list[int]:
+        """Ids of the format's own markup (special tokens allowed)."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt_ids(self, prompt: str, tools: list[ToolSpec]) -> list[int]:
+        if not self.chat:
+            return self.text_ids(prompt)
+        schemas = [t.function_schema(tool_name(t, tools)) for t in tools]
+        rendered = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "\x00"}], tools=schemas or None, add_generation_prompt=True, tokenize=False)
+        head, tail = rendered.split("\x00")
+        return self.markup_ids(head) + self.text_ids(prompt) + self.markup_ids(tail)
+
+    def observation_ids(self, result: str, max_tokens: int) -> list[int]:
+        """The observation after a call: the result, tags defused, cut to ``max_tokens`` with a marker."""
+        body = self.text_ids(escape_result(result))
+        if len(body) > max_tokens:
+            marker = self.text_ids(TRUNCATED)
+            body = body[: max(max_tokens - len(marker), 0)] + marker
+        return self.markup_ids(self.obs_head) + body + self.markup_ids(self.obs_tail)
+
+    def _template_observation(self) -> tuple[str, str]:
+        """What the chat template writes between an assistant's call and the next assistant turn."""
+        call = "<tool_call>\x01</tool_call>"
+        before = [{"role": "user", "content": "u"}, {"role": "assistant", "content": call}]
+        first = self.tokenizer.apply_chat_template(before, tokenize=False)
+        full = self.tokenizer.apply_chat_template(before + [{"role": "tool", "content": "\x02"}],
+                                                  add_generation_prompt=True, tokenize=False)
+        start = first.index(call) + len(call)  # the model stops right after its call: the rest is ours
+        head, tail = full[start:].split("\x02")
+        return head, tail
+
+
+def tool_name(spec: ToolSpec, specs: list[ToolSpec]) -> str:
+    """The name a model is shown for a tool: bare unless another of the job's tools shares it."""
+    return spec.name if sum(s.name == spec.name for s in specs) == 1 else spec.qualified
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_new_tokens: int  # per turn
+    max_tool_calls: int
+    max_observation_tokens: int
+    max_total_tokens: int  # prompt + everything after it, within rollout.max_model_len
+    tool_timeout_s: float
+
+
+class ToolBox:
+    """The tools one job may call (fixed when it was admitted), and how to call them."""
+
+    def __init__(self, job: str, tools: list[str], request: Request, timeout_s: float,
+                 utilization: Utilization | None = None) -> None:
+        self.job = job
+        self.utilization = utilization or Utilization()
+        qualified = [qualify(name) for name in tools]
+        bare = [q.partition(".")[2] for q in qualified]
+        # the model may call a tool by its bare name when no other tool of the job shares it
+        self.names = {q: q for q in qualified} | {b: q for b, q in zip(bare, qualified) if bare.count(b) == 1}
+        self.request = request
+        self.timeout_s = timeout_s
+
+    async def call(self, call: ParsedCall) -> tuple[str, bool]:
+        """The observation text of one call and whether it succeeded."""
+        qualified = self.names.get(call.name)
+        if qualified is None:
+            known = ", ".join(sorted(set(self.names.values()))) or "none"
+            return f"error: unknown tool {call.name!r}; tools you can call: {known}", False
+        request = ToolCall(job=self.job, call_id=uuid.uuid4().hex, tool=qualified, arguments=call.arguments)
+        try:
+            with self.utilization.tool_call():
+                data = await self.request(tool_subject(qualified), encode(request), self.timeout_s)
+        except TimeoutError:
+            return f"error: tool {call.name!r} did not answer within {self.timeout_s:g}s", False
+        try:
+            result = TOOL.decode(data)
+        except EventDecodeError:
+            result = None
+        if not isinstance(result, ToolResult):
+            return f"error: tool {call.name!r} replied with something that is not a tool result", False
+        if result.error:
+            return f"error: {result.error}", False
+        return result.output, True
+
+
+async def run_episode(engine: PolicyEngine, fmt: ConversationFormat, prompt_ids: list[int], *,
+                      tools: ToolBox, limits: EpisodeLimits, temperature: float, lora,
+                      seed: Callable[[int], int]) -> Episode:
+    """Sample one episode; ``seed(turn)`` gives each turn's sampling seed."""
+    episode = Episode(prompt_ids)
+    while True:
+        budget = min(limits.max_new_tokens, limits.max_total_tokens - len(episode) - 1)
+        if budget <= 0:
+            episode.end_reason = "context_full"
+            return episode
+        turn = await engine.generate(episode.ids, max_tokens=budget, temperature=temperature, lora=lora,
+                                     seed=seed(episode.turns), stop=[CALL_CLOSE])
+        if episode.turns:
+            episode.cached_tokens.append(turn.cached_tokens)
+        episode.add_turn(turn.token_ids, turn.logprobs)
+        text = fmt.tokenizer.decode(turn.token_ids, skip_special_tokens=True)  # the sampled ids, not .text
+        call = parse_call(text) if turn.finish_reason == "stop" else None
+        if call is None:
+            episode.end_reason = "answer" if turn.finish_reason == "stop" else "length"
+            return episode
+        if episode.tool_calls >= limits.max_tool_calls:
+            episode.end_reason = "max_tool_calls"
+            return episode
+        episode.tool_calls += 1
+        started = time.monotonic()
+        if isinstance(call, CallError):
+            result, ok = f"error: {call.message}", False
+        else:
+            result, ok = await tools.call(call)
+        episode.tool_wait_s += time.monotonic() - started
+        episode.tool_successes += ok
+        episode.tool_errors += not ok
+        observation = fmt.observation_ids(result, limits.max_observation_tokens)
+        if len(episode) + len(observation) + 1 >= limits.max_total_tokens:
+            episode.end_reason = "context_full"
+            return episode
+        episode.add_observation(observation)

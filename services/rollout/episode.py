@@ -1,0 +1,93 @@
+"""A multi-turn episode as typed segments (token in, token out), and the batch's episode metrics.
+
+An episode is its prompt ids, then alternating *sampled* segments (the ids the engine
+produced for one turn, with the engine's logprobs; trained, loss mask 1) and
+*observation* segments (a tool's result, tokenized here; never trained: loss mask 0,
+logprob 0). The ids of the next turn's request are exactly the ids so far: nothing the
+model generated is ever decoded and re-tokenized. ``to_sample`` checks that ids, mask
+and logprobs line up before the batch leaves rollout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from marlaas.events import Sample
+
+SegmentKind = Literal["sampled", "observation"]
+END_REASONS = ("answer", "length", "max_tool_calls", "context_full")
+
+
+@dataclass(frozen=True)
+class Segment:
+    kind: SegmentKind
+    ids: list[int]
+    logprobs: list[float]
+
+    def __post_init__(self) -> None:
+        if len(self.ids) != len(self.logprobs):
+            raise ValueError(f"{self.kind} segment: {len(self.ids)} ids but {len(self.logprobs)} logprobs")
+
+
+@dataclass
+class Episode:
+    """One trajectory of one prompt: what the model wrote, what the tools answered, and how it ended."""
+
+    prompt_ids: list[int]
+    segments: list[Segment] = field(default_factory=list)
+    end_reason: str = ""
+    tool_calls: int = 0  # calls the model made (well-formed or not)
+    tool_errors: int = 0  # calls answered with an error (bad JSON, unknown tool, timeout, tool failure)
+    tool_successes: int = 0
+    tool_wait_s: float = 0.0
+    cached_tokens: list[int] = field(default_factory=list)  # prefix-cache hits of each turn after the first
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + sum(len(s.ids) for s in self.segments)
+
+    @property
+    def ids(self) -> list[int]:
+        """Every id so far: the next turn's prompt."""
+        out = list(self.prompt_ids)
+        for segment in self.segments:
+            out += segment.ids
+        return out
+
+    @property
+    def turns(self) -> int:
+        return sum(s.kind == "sampled" for s in self.segments)
+
+    def add_turn(self, ids: list[int], logprobs: list[float]) -> None:
+        self.segments.append(Segment("sampled", list(ids), list(logprobs)))
+
+    def add_observation(self, ids: list[int]) -> None:
+        self.segments.append(Segment("observation", list(ids), [0.0] * len(ids)))
+
+    def to_sample(self, group: int, reward: float, text: str = "") -> Sample:
+        """The trainer's view: completion ids after the prompt, with mask and logprobs aligned."""
+        completion, mask, logprobs = [], [], []
+        for segment in self.segments:
+            completion += segment.ids
+            mask += [int(segment.kind == "sampled")] * len(segment.ids)
+            logprobs += segment.logprobs
+        assert len(completion) == len(mask) == len(logprobs), "episode segments out of line"
+        return Sample(group=group, prompt_ids=list(self.prompt_ids), completion_ids=completion,
+                      logprobs=logprobs, loss_mask=mask, reward=reward, text=text)
+
+
+def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """Per-batch agent metrics (means per episode, shares of episodes), slash-namespaced."""
+    n = max(len(episodes), 1)
+    cached = [c for e in episodes for c in e.cached_tokens]
+    metrics = {
+        "episode/turns": sum(e.turns for e in episodes) / n,
+        "tool/calls": sum(e.tool_calls for e in episodes) / n,
+        "tool/errors": sum(e.tool_errors for e in episodes) / n,
+        "tool/success_rate": sum(e.tool_successes > 0 for e in episodes) / n,
+        "tool/wait_s": sum(e.tool_wait_s for e in episodes) / n,
+        "episode/cached_tokens": sum(cached) / len(cached) if cached else 0.0,
+    }
+    for reason in END_REASONS:
+        metrics[f"episode/end_{reason}"] = float(sum(e.end_reason == reason for e in episodes))
+    return metrics

@@ -1,0 +1,143 @@
+"""Every way a tool call can fail becomes an observation, and the episode goes on.
+
+Tools are served through the SDK on a real nats-server; the episode loop is driven by a
+*scripted engine* (named as such: a real model cannot be steered into writing a given
+broken call), which replays fixed turns as token ids and records the ids of every
+request, so the test also sees that each turn re-enters with exactly the ids so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from transformers import AutoTokenizer
+
+from marlaas.basemodel import builtin_model_dir
+from marlaas.tools import tool
+from marlaas.tools.protocol import render_call
+from marlaas.tools.sdk import ToolError, serve_tools
+from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
+from services.rollout.engine import Completion
+
+TOKENIZER = AutoTokenizer.from_pretrained(builtin_model_dir())
+FMT = ConversationFormat(TOKENIZER)
+LIMITS = EpisodeLimits(max_new_tokens=96, max_tool_calls=3, max_observation_tokens=200, max_total_tokens=480,
+                       tool_timeout_s=1.0)
+
+
+class ScriptedEngine:
+    """Replays ``turns`` (text) as the engine's sampled ids; a turn ending in a call stops there."""
+
+    def __init__(self, turns: list[str]) -> None:
+        self.turns = list(turns)
+        self.requests: list[list[int]] = []
+
+    async def generate(self, prompt_ids, *, max_tokens, temperature, lora, seed, stop=None) -> Completion:
+        self.requests.append(list(prompt_ids))
+        text = self.turns.pop(0)
+        ids = TOKENIZER(text, add_special_tokens=False)["input_ids"]
+        called = stop and any(text.endswith(s) for s in stop)
+        ids = ids if called else ids + [TOKENIZER.eos_token_id]
+        return Completion(ids, [-0.5] * len(ids), text, "stop", stop[0] if called else None)
+
+
+@tool
+def add(a: int, b: int) -> str:
+    """Add two integers."""
+    return str(a + b)
+
+
+@tool
+async def slow(seconds: float) -> str:
+    """Sleep, then answer."""
+    await asyncio.sleep(seconds)
+    return "late"
+
+
+@tool
+def broken(x: int) -> str:
+    """Always fails."""
+    raise ToolError(f"cannot handle {x}")
+
+
+@tool
+def binary() -> bytes:
+    """Returns bytes, which are not text."""
+    return b"\x00\x01"
+
+
+@pytest.fixture
+async def served(bus):
+    tools = await serve_tools(bus, [add, slow, broken, binary], "acme")
+
+    async def garbage(data: bytes) -> bytes:  # a process that answers with something else entirely
+        return b"\xff not a tool result"
+
+    await bus.serve("marlaas.tool.acme.garbage", "tool-acme", garbage)
+    yield bus
+    await tools.stop()
+
+
+async def episode_with(bus, call_text: str, tools=("acme.add", "acme.slow", "acme.broken", "acme.binary",
+                                                      "acme.garbage")):
+    engine = ScriptedEngine([call_text, "done"])
+    prompt = FMT.prompt_ids("q=", [])
+    box = ToolBox("acme.job-1", list(tools), bus.request, LIMITS.tool_timeout_s)
+    episode = await run_episode(engine, FMT, prompt, tools=box, limits=LIMITS, temperature=1.0, lora=None,
+                                seed=lambda turn: turn)
+    observation = TOKENIZER.decode(episode.segments[1].ids)
+    # the episode went on: a second turn, whose request held exactly the ids of everything before it
+    assert episode.turns == 2 and episode.end_reason == "answer"
+    assert engine.requests[1] == prompt + episode.segments[0].ids + episode.segments[1].ids
+    return episode, observation
+
+
+@pytest.mark.timeout(60)
+async def test_a_successful_call_returns_its_output(served):
+    episode, observation = await episode_with(served, render_call("acme.add", {"a": 2, "b": 3}))
+    assert observation == "<tool_response>5</tool_response>"
+    assert episode.tool_successes == 1 and episode.tool_errors == 0
+
+
+@pytest.mark.timeout(60)
+async def test_a_tool_timeout_becomes_an_observation(served):
+    episode, observation = await episode_with(served, render_call("acme.slow", {"seconds": 5}))
+    assert "did not answer within 1s" in observation and episode.tool_errors == 1
+    assert episode.tool_wait_s >= 1.0
+
+
+@pytest.mark.timeout(60)
+async def test_a_tool_error_becomes_an_observation(served):
+    episode, observation = await episode_with(served, render_call("acme.broken", {"x": 7}))
+    assert "error: cannot handle 7" in observation and episode.tool_errors == 1
+
+
+@pytest.mark.timeout(60)
+async def test_an_unknown_tool_becomes_an_observation(served):
+    _, observation = await episode_with(served, render_call("weather", {"city": "x"}))
+    assert "unknown tool 'weather'" in observation and "acme.add" in observation
+
+
+@pytest.mark.timeout(60)
+async def test_a_call_that_is_not_json_becomes_an_observation(served):
+    _, observation = await episode_with(served, '<tool_call>{"name": "acme.add", "arguments": {a: 1}</tool_call>')
+    assert "not valid JSON" in observation
+
+
+@pytest.mark.timeout(60)
+async def test_a_result_that_is_not_text_becomes_an_observation(served):
+    _, observation = await episode_with(served, render_call("acme.binary", {}))
+    assert "not text" in observation
+    _, observation = await episode_with(served, render_call("acme.garbage", {}))
+    assert "not a tool result" in observation
+
+
+@pytest.mark.timeout(60)
+async def test_the_call_limit_ends_an_episode_cleanly(served):
+    call = render_call("acme.add", {"a": 1, "b": 1})
+    engine = ScriptedEngine([call] * 4)
+    box = ToolBox("acme.job-1", ["acme.add"], served.request, 1.0)
+    episode = await run_episode(engine, FMT, FMT.prompt_ids("q=", []), tools=box, limits=LIMITS,
+                                temperature=1.0, lora=None, seed=lambda turn: turn)
+    assert episode.tool_calls == 3 and episode.end_reason == "max_tool_calls" and episode.turns == 4
