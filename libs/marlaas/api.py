@@ -37,6 +37,7 @@ class SubmitRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: int = 0
     tenant: str = "default"
     dataset: str | None = None
+    corpus: str | None = None  # a JSONL of passages, for tasks that search the job's own documents
     tools: list[str] | None = None  # None = the task's own tools; [] = none
     reward: str = ""  # "<tenant>.<name>": a reward function you serve instead of the task's
     grpo: GrpoSettings = msgspec.field(default_factory=GrpoSettings)

@@ -79,10 +79,12 @@ def submission_from_args(args) -> dict:
             job = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"job file {path} is not valid TOML: {exc}") from exc
-    for key in ("name", "task", "steps", "seed", "tenant", "dataset"):
+    for key in ("name", "task", "steps", "seed", "tenant", "dataset", "corpus", "reward"):
         value = getattr(args, key)
         if value is not None:
             job[key] = value
+    if args.tool:
+        job["tools"] = list(args.tool)
     for assignment in args.set or []:
         key, sep, raw = assignment.partition("=")
         if not sep:
@@ -100,8 +102,10 @@ def submission_from_args(args) -> dict:
     if missing:
         raise ValueError(f"missing {' and '.join(missing)}: give a job file or --task NAME --steps N")
     job.setdefault("name", job["task"])
-    if job.get("dataset"):  # the manager runs elsewhere: send an absolute path
-        job["dataset"] = str(Path(job["dataset"]).expanduser().resolve())
+    for key in ("dataset", "corpus"):  # the manager runs elsewhere: send absolute paths (a flag's
+        if job.get(key):  # relative to here, a job file's relative to that file)
+            where = Path(args.file).parent if args.file and getattr(args, key) is None else Path.cwd()
+            job[key] = str((where / Path(job[key]).expanduser()).resolve())
     return job
 
 
@@ -199,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--tenant")
     p.add_argument("--dataset")
+    p.add_argument("--corpus", help="a JSONL of passages (tasks that search your documents)")
+    p.add_argument("--tool", action="append", metavar="NAME",
+                   help="a tool the model may call (repeat it); built-ins bare, yours as TENANT.TOOL")
+    p.add_argument("--reward", help="a reward function to use instead of the task's (TENANT.NAME or judge)")
     p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
                    help="override a setting, e.g. --set grpo.learning_rate=1e-3")
     p = command("status", cmd_status, "show jobs (all, or one)")

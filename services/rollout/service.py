@@ -28,6 +28,7 @@ from marlaas.events import (
 from marlaas.runtime import Runtime
 from marlaas.tasks import Task, TaskError, get_task
 from marlaas.telemetry import UTILIZATION_JOB, span, span_subject
+from marlaas.tools.registry import reward_subject
 from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
 from services.rollout.engine import PolicyEngine
 from services.rollout.episode import Episode, episode_metrics
@@ -85,7 +86,7 @@ class Rollout:
     def task_of(self, spec: JobSpec) -> Task:
         if spec.id not in self.tasks:
             try:
-                self.tasks[spec.id] = get_task(spec.task, spec.dataset)
+                self.tasks[spec.id] = get_task(spec.task, spec.dataset, spec.corpus)
             except TaskError as exc:  # e.g. the dataset file went away since submission
                 raise PoisonMessage(str(exc)) from exc
         return self.tasks[spec.id]
@@ -194,7 +195,8 @@ class Rollout:
             max_total_tokens=min(rc.max_model_len, len(prompt_ids) + task.max_episode_tokens(grpo.max_new_tokens)),
             tool_timeout_s=rc.tool_timeout_s,
         )
-        tools = ToolBox(spec.id, list(spec.tools), self.bus.request, rc.tool_timeout_s, self.engine.utilization)
+        tools = ToolBox(spec.id, list(spec.tools), self.bus.request, rc.tool_timeout_s, self.engine.utilization,
+                        context=task.tool_context())
         return await run_episode(
             self.engine, self.format, prompt_ids, tools=tools, limits=limits, temperature=grpo.temperature,
             lora=lora, seed=lambda turn: sample_seed(spec, version, prompt, sample, turn))
@@ -202,8 +204,9 @@ class Rollout:
     async def rewards(self, spec: JobSpec, problems: list[dict], groups: list[list[str]]) -> list[float]:
         """Scores of every completion (flattened in group order) by the task's or the job's reward."""
         items = [RewardItem(problem=p, completion=text) for p, g in zip(problems, groups) for text in g]
-        request = RewardRequest(job=spec.id, task=spec.task, items=items, dataset=spec.dataset or "")
-        subject = f"marlaas.reward.{spec.reward or spec.task}"
+        request = RewardRequest(job=spec.id, task=spec.task, items=items, dataset=spec.dataset or "",
+                                corpus=spec.corpus or "")
+        subject = reward_subject(spec.reward) if spec.reward else f"marlaas.reward.{spec.task}"
         reply = REWARD.decode(await self.bus.request(subject, encode(request), 60.0))
         if reply.error:
             raise PoisonMessage(reply.error)

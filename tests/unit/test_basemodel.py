@@ -86,3 +86,16 @@ def test_missing_model_dir_says_how_to_build_it(tmp_path, monkeypatch):
         assert "marlaas.basemodel.pretrain" in str(err)
     else:
         raise AssertionError("builtin_model_dir() did not notice the missing model")
+
+
+def test_model_half_knows_the_tool_call_format():
+    """On the agentic task the base writes a well-formed calculator call on a minority of samples
+    (RL's room: call it always) and guesses the rest; one tool round is run as pretraining did."""
+    from marlaas.basemodel.pretrain import evaluate
+
+    model = _model()
+    problems = get_task("multiply").problems(60, seed=2024)
+    reward, calls = evaluate(model, _tokenizer(), "multiply", problems, sample=True, seed=7)
+    model.eval()
+    assert 0.15 <= calls <= 0.6, f"share of samples with a well-formed call: {calls:.2f}"
+    assert 0.15 < reward < 0.65, f"temperature-1.0 reward {reward:.3f}"

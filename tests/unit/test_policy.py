@@ -249,8 +249,9 @@ def test_micro_batched_loss_and_gradients_equal_the_whole_batch(perturbed, tempe
     assert got["tokens"] == sum(sum(s.loss_mask) for s in data.samples)
     assert 0 < got["clip_fraction"] < 1 and (got["kl"] > 0) == (kl_coef > 0)
     worst = max((p.grad - g).abs().max().item() for p, g in zip(params, expected_grads))
-    assert worst < 1e-5
-    assert max(g.abs().max().item() for g in expected_grads) > 1e-3  # the comparison is not vacuous
+    scale = max(g.abs().max().item() for g in expected_grads)
+    assert scale > 1e-3  # the comparison is not vacuous
+    assert worst < 1e-5 * max(1.0, scale)  # float32 summation order differs between the two paths
 
 
 def test_the_trainer_scores_the_tempered_policy(perturbed):

@@ -23,17 +23,27 @@ class Task(abc.ABC):
     description: ClassVar[str]
     max_new_tokens: ClassVar[int] = 16  # a generation budget that fits the answers (per turn)
     needs_dataset: ClassVar[bool] = False
+    needs_corpus: ClassVar[bool] = False  # a JSONL of passages the task's search tool reads
     # agentic tasks: the tools the model may call (names as in a job spec), and per-episode limits
     tools: ClassVar[tuple[str, ...]] = ()
     max_tool_calls: ClassVar[int] = 5  # as the paper's search agent
     max_observation_tokens: ClassVar[int] = 64  # longer tool results are cut with a visible marker
 
-    def __init__(self, dataset: str | None = None) -> None:
+    def __init__(self, dataset: str | None = None, corpus: str | None = None) -> None:
         if dataset and not self.needs_dataset:
             raise TaskError(f"task {self.name!r} is built in and takes no dataset; drop 'dataset'")
         if self.needs_dataset and not dataset:
             raise TaskError(f"task {self.name!r} needs 'dataset': a path to a JSONL file")
+        if corpus and not self.needs_corpus:
+            raise TaskError(f"task {self.name!r} takes no corpus; drop 'corpus'")
+        if self.needs_corpus and not corpus:
+            raise TaskError(f"task {self.name!r} needs 'corpus': a path to a JSONL file of passages")
         self.dataset = dataset
+        self.corpus = corpus
+
+    def tool_context(self) -> dict[str, str]:
+        """What this task's tool calls carry besides the model's arguments (e.g. the job's corpus)."""
+        return {}
 
     @abc.abstractmethod
     def sample_problem(self, rng: random.Random) -> dict:

@@ -56,8 +56,8 @@ class Gsm8k(Task):
     max_new_tokens = 256
     needs_dataset = True
 
-    def __init__(self, dataset: str | None = None) -> None:
-        super().__init__(dataset)
+    def __init__(self, dataset: str | None = None, corpus: str | None = None) -> None:
+        super().__init__(dataset, corpus)
         self.items = load_jsonl(Path(dataset))
 
     @staticmethod

@@ -30,6 +30,7 @@ from marlaas.events import Codec, ToolSpec, encode
 log = structlog.get_logger("marlaas.tools")
 
 BUILTIN = "builtin"
+BUILTIN_REWARDS = ("judge",)  # rewards the env service serves for any task, named bare in a job spec
 SUBJECT_PREFIX = "marlaas.tool"
 HEARTBEAT_S = 10.0  # at most; a bucket with a short TTL gets beats every TTL / 3
 NAMESPACE_RE = re.compile(r"[a-z0-9][a-z0-9-]*")
@@ -82,7 +83,11 @@ def tool_subject(qualified: str) -> str:
 
 def reward_subject(name: str) -> str:
     """The request subject of a reward: ``marlaas.reward.<task>`` for a built-in task,
+    ``marlaas.reward.builtin.<name>`` for a built-in reward (:data:`BUILTIN_REWARDS`, e.g.
+    ``judge``; two tokens, so the env's per-task ``marlaas.reward.*`` does not match it), and
     ``marlaas.reward.<tenant>.<name>`` for a tenant's (``name`` = ``"<tenant>.<name>"``)."""
+    if name in BUILTIN_REWARDS:
+        return f"marlaas.reward.{BUILTIN}.{name}"
     namespace, dot, reward = name.rpartition(".")
     if dot:
         check_namespace(namespace)

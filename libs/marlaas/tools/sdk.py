@@ -13,7 +13,10 @@
 ``@tool`` derives the tool's JSON schema from the signature (str, int, float, bool,
 ``list[...]``, defaults make a parameter optional) and its description from the docstring
 (a Google-style ``Args:`` section describes the parameters). Arguments are validated and
-converted by msgspec before the function runs. ``@reward("name")`` serves a
+converted by msgspec before the function runs. ``@tool(context=True)`` also passes the
+call's context (``ToolCall.context``: what the job's task attaches to every call, e.g. its
+corpus; the model cannot set it) as the keyword ``context: dict[str, str]``, which is left
+out of the schema. ``@reward("name")`` serves a
 ``(problem: dict, completion: str) -> float`` on ``marlaas.reward.<tenant>.<name>``.
 
 The env service serves its built-in tools through the same shell (:func:`serve_tools`), so a
@@ -82,6 +85,7 @@ class Tool:
     parameters: dict  # JSON schema of the arguments object
     function: Callable
     arguments_type: type[msgspec.Struct]
+    takes_context: bool = False  # the function gets the call's context as ``context=``
 
     def __call__(self, *args, **kwargs):
         return self.function(*args, **kwargs)
@@ -102,9 +106,12 @@ class Tool:
             raise ToolError(f"arguments for {self.name} are not valid JSON: {exc}") from None
         return {field: getattr(parsed, field) for field in self.arguments_type.__struct_fields__}
 
-    async def call(self, arguments: str) -> str:
-        """Validate ``arguments``, run the function (a sync one in a thread) and return its text."""
+    async def call(self, arguments: str, context: dict[str, str] | None = None) -> str:
+        """Validate ``arguments``, run the function (a sync one in a thread) and return its text;
+        ``context`` reaches only a tool made with ``context=True``."""
         kwargs = self.parse_arguments(arguments)
+        if self.takes_context:
+            kwargs["context"] = dict(context or {})
         if inspect.iscoroutinefunction(self.function):
             value = await self.function(**kwargs)
         else:
@@ -115,20 +122,23 @@ class Tool:
 
 
 def tool(function: Callable | None = None, *, name: str | None = None,
-         description: str | None = None):
+         description: str | None = None, context: bool = False):
     """Make ``function`` a tool; usable as ``@tool`` or ``@tool(name=..., description=...)``.
 
     Every parameter needs a type annotation; the docstring (or ``description``) tells the
-    model what the tool does.
+    model what the tool does. With ``context=True`` the function must take a keyword
+    ``context`` (not shown to the model): the call's ``ToolCall.context``.
     """
 
     def wrap(fn: Callable) -> Tool:
         tool_name = check_tool_name(name or fn.__name__)
         summary, param_docs = _parse_docstring(inspect.getdoc(fn) or "")
-        arguments_type = _arguments_struct(fn, tool_name, param_docs)
+        if context and "context" not in inspect.signature(fn).parameters:
+            raise TypeError(f"tool {tool_name}: context=True needs a parameter named 'context'")
+        arguments_type = _arguments_struct(fn, tool_name, param_docs, skip=("context",) if context else ())
         return Tool(name=tool_name, description=description or summary,
                     parameters=_object_schema(arguments_type), function=fn,
-                    arguments_type=arguments_type)
+                    arguments_type=arguments_type, takes_context=context)
 
     return wrap(function) if function is not None else wrap
 
@@ -157,10 +167,13 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
     return "\n".join(summary).strip(), params
 
 
-def _arguments_struct(fn: Callable, tool_name: str, docs: dict[str, str]) -> type[msgspec.Struct]:
+def _arguments_struct(fn: Callable, tool_name: str, docs: dict[str, str],
+                      skip: tuple[str, ...] = ()) -> type[msgspec.Struct]:
     hints = typing.get_type_hints(fn, include_extras=True)
     fields = []
     for param in inspect.signature(fn).parameters.values():
+        if param.name in skip:
+            continue
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD, param.POSITIONAL_ONLY):
             raise TypeError(f"tool {tool_name}: parameter {param.name!r} must be a plain named one")
         if param.name not in hints:
@@ -232,7 +245,7 @@ async def answer_tool_call(tool: Tool, namespace: str, data: bytes,
         await asyncio.sleep(seconds)  # injected latency (benchmarks); other calls run meanwhile
     output, error = "", ""
     try:
-        output = await tool.call(call.arguments)
+        output = await tool.call(call.arguments, call.context)
     except ToolError as exc:
         error = str(exc)
     except Exception as exc:  # a tool's own bug must not take the server down

@@ -2,7 +2,9 @@
 
 Each is a small pure core (``calculator.py``, ``search.py``, ``python_sandbox.py``) wrapped
 as a :func:`marlaas.tools.tool`, so it is served by the same shell as a tenant's tools.
-:func:`serve_builtin_tools` subscribes them on a bus and keeps them announced.
+:func:`serve_builtin_tools` subscribes them on a bus and keeps them announced. ``search``
+reads the configured corpus, or the job's own when its call's context names one
+(``{"corpus": path}``, set by the job's task).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from marlaas.tools import BUILTIN, DEFAULT_CORPUS, ServedTools, Tool, ToolError,
 from services.env.tools.calculator import CalculatorError, calculate, format_value
 from services.env.tools.latency import InjectedLatency
 from services.env.tools.python_sandbox import SandboxError, SandboxLimits, run_python
-from services.env.tools.search import MAX_K, SearchIndex, render_results
+from services.env.tools.search import MAX_K, CorpusError, CorpusIndexes, SearchIndex, render_results
 
 
 def calculator_tool() -> Tool:
@@ -35,9 +37,13 @@ def calculator_tool() -> Tool:
     return calculator
 
 
-def search_tool(index: SearchIndex, default_k: int) -> Tool:
-    @tool(name="search")
-    def search(query: str, k: int = default_k) -> str:
+def search_tool(index: SearchIndex, default_k: int, job_corpora: CorpusIndexes | None = None) -> Tool:
+    """``search`` over ``index``, or over the job's corpus (from ``job_corpora``) when a call's
+    context names one."""
+    job_corpora = CorpusIndexes(cache_dir=None) if job_corpora is None else job_corpora
+
+    @tool(name="search", context=True)
+    def search(query: str, k: int = default_k, context: dict[str, str] | None = None) -> str:
         """Search the knowledge base; returns the best-matching passages, best first.
 
         Args:
@@ -48,7 +54,12 @@ def search_tool(index: SearchIndex, default_k: int) -> Tool:
             raise ToolError("query is empty: give keywords to search for")
         if not 1 <= k <= MAX_K:
             raise ToolError(f"k must be between 1 and {MAX_K}, not {k}")
-        return render_results(query, index.search(query, k))
+        corpus = (context or {}).get("corpus")
+        try:
+            chosen = job_corpora.get(corpus) if corpus else index
+        except CorpusError as exc:
+            raise ToolError(f"the job's corpus cannot be searched: {exc}") from None
+        return render_results(query, chosen.search(query, k))
 
     return search
 
@@ -84,7 +95,8 @@ async def builtin_tools(config: Config) -> list[Tool]:
     in a thread, so a large corpus does not stall the event loop."""
     corpus = Path(config.env.search_corpus).expanduser() if config.env.search_corpus else DEFAULT_CORPUS
     index = await asyncio.to_thread(SearchIndex.open, corpus, search_cache_dir(config))
-    return [calculator_tool(), search_tool(index, config.env.search_top_k),
+    job_corpora = CorpusIndexes(search_cache_dir(config), config.env.search_cached_indexes)
+    return [calculator_tool(), search_tool(index, config.env.search_top_k, job_corpora),
             python_tool(sandbox_limits(config.env))]
 
 

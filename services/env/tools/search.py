@@ -5,6 +5,11 @@ indexed together, lower-cased, English stop words removed, no stemming. The inde
 once per corpus content and cached under ``<cache_dir>/<sha256 of the corpus file>``, written
 to a temporary directory and renamed, so a half-written cache is never loaded; a changed
 corpus gets a new key.
+
+A job may bring its own corpus (the ``search-qa`` task): its calls carry ``{"corpus": path}``
+as context and are answered from that corpus. :class:`CorpusIndexes` keeps the indexes of
+the last few such corpora in memory (least recently used dropped first), keyed by path,
+size and modification time, so an edited file is indexed again.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +53,8 @@ def read_corpus(path: Path) -> list[Passage]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
         raise CorpusError(f"search corpus {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CorpusError(f"search corpus {path} cannot be read: {exc}") from None
     passages = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -104,6 +113,57 @@ class SearchIndex:
         ids_Q_K, scores_Q_K = self.retriever.retrieve(tokens, k=k, show_progress=False)
         return [(self.passages[int(i)], float(s))
                 for i, s in zip(ids_Q_K[0], scores_Q_K[0]) if s > 0]
+
+
+class CorpusIndexes:
+    """Indexes of the corpora jobs bring, the ``capacity`` most recently used kept in memory.
+
+    Safe to use from several threads: a corpus is opened once while other calls wait for it,
+    and calls on other corpora go on meanwhile.
+    """
+
+    def __init__(self, cache_dir: Path | None, capacity: int = 4) -> None:
+        self.cache_dir = cache_dir
+        self.capacity = capacity
+        self._indexes: OrderedDict[tuple, SearchIndex] = OrderedDict()
+        self._opening: dict[tuple, threading.Lock] = {}
+        self._lock = threading.Lock()
+
+    def get(self, corpus: str | Path) -> SearchIndex:
+        """The index of ``corpus``, opened (and disk-cached) on first use; :class:`CorpusError` if
+        the file is missing, unreadable or malformed."""
+        path = Path(corpus).expanduser()
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            raise CorpusError(f"search corpus {path} does not exist") from None
+        except OSError as exc:
+            raise CorpusError(f"search corpus {path} cannot be read: {exc}") from None
+        key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+        with self._lock:
+            if key in self._indexes:
+                self._indexes.move_to_end(key)
+                return self._indexes[key]
+            opening = self._opening.setdefault(key, threading.Lock())
+        with opening:
+            with self._lock:
+                if key in self._indexes:  # opened by the call this one waited for
+                    return self._indexes[key]
+            try:
+                index = SearchIndex.open(path, self.cache_dir)
+            except BaseException:
+                with self._lock:
+                    self._opening.pop(key, None)
+                raise
+            with self._lock:
+                self._opening.pop(key, None)
+                self._indexes[key] = index
+                while len(self._indexes) > self.capacity:
+                    self._indexes.popitem(last=False)
+            return index
+
+    def __len__(self) -> int:
+        return len(self._indexes)
 
 
 def _build(passages: list[Passage]) -> bm25s.BM25:
