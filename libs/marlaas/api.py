@@ -1,6 +1,8 @@
 """The manager's user API over NATS request/reply, and the job-submission format.
 
-Subjects: ``marlaas.api.submit`` / ``.status`` / ``.cancel``. A submission is the
+Subjects: ``marlaas.api.submit`` / ``.status`` / ``.cancel`` / ``.delete`` / ``.pin`` /
+``.ping``. Replies carry ``error`` (for people) and ``code`` (for programs: the HTTP
+gateway maps it to a status). A submission is the
 same whether it comes from a TOML job file, CLI flags or the SDK: a
 :class:`SubmitRequest`, checked for unknown keys (a typo fails loudly) and then
 validated by the manager against the running stack.
@@ -12,11 +14,20 @@ from typing import Any
 
 import msgspec
 
-from marlaas.events import GrpoSettings, JobRecord, LoraSettings
+from marlaas.events import EvalPoint, GrpoSettings, JobRecord, LoraSettings
 
 SUBMIT = "marlaas.api.submit"
 STATUS = "marlaas.api.status"
 CANCEL = "marlaas.api.cancel"
+DELETE = "marlaas.api.delete"
+PIN = "marlaas.api.pin"
+PING = "marlaas.api.ping"  # the manager answers: readiness checks, nothing read
+
+# reply codes: what kind of refusal an ``error`` is
+INVALID = "invalid"  # the request itself is wrong (a submission's field, a version out of range)
+QUOTA = "quota"  # the tenant already has its max_jobs queued or running
+NOT_FOUND = "not_found"  # no such job for this tenant (another tenant's job reads the same)
+FINISHED = "finished"  # the job already ended: it cannot be cancelled
 
 
 # sampling settings vLLM has but the trainer could not reproduce when it scores a batch
@@ -40,6 +51,9 @@ class SubmitRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     corpus: str | None = None  # a JSONL of passages, for tasks that search the job's own documents
     tools: list[str] | None = None  # None = the task's own tools; [] = none
     reward: str = ""  # "<tenant>.<name>": a reward function you serve instead of the task's
+    eval_every: int = 0  # score the committed version greedily on a held-out set every N versions
+    eval_problems: int = 32
+    eval_dataset: str | None = None  # held-out JSONL for dataset tasks
     grpo: GrpoSettings = msgspec.field(default_factory=GrpoSettings)
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
 
@@ -71,6 +85,7 @@ def parse_submission(tree: dict) -> SubmitRequest:
 class SubmitReply(msgspec.Struct, kw_only=True):
     id: str = ""
     error: str = ""
+    code: str = ""  # INVALID or QUOTA when error is set
 
 
 class StatusRequest(msgspec.Struct, kw_only=True):
@@ -95,6 +110,7 @@ class JobView(msgspec.Struct, kw_only=True):
     tpts_s: float | None
     tools: list[str] = []
     metrics: dict[str, list[float]] = {}  # agentic jobs: tool/* and episode/* figures per version
+    evals: list[EvalPoint] = []  # held-out greedy scores: [{"version", "score"}]
 
 
 def job_view(record: JobRecord) -> JobView:
@@ -102,7 +118,8 @@ def job_view(record: JobRecord) -> JobView:
     return JobView(id=spec.id, name=spec.name, tenant=spec.tenant, task=spec.task,
                    state=record.state.value, reason=record.reason, version=record.version,
                    steps=record.steps_done, target_steps=spec.steps, rewards=record.rewards,
-                   ttfs_s=record.ttfs_s, tpts_s=record.tpts_s, tools=list(spec.tools), metrics=record.metrics)
+                   ttfs_s=record.ttfs_s, tpts_s=record.tpts_s, tools=list(spec.tools), metrics=record.metrics,
+                   evals=record.evals)
 
 
 class StatusReply(msgspec.Struct, kw_only=True):
@@ -119,3 +136,33 @@ class CancelReply(msgspec.Struct, kw_only=True):
     id: str = ""
     state: str = ""
     error: str = ""
+    code: str = ""  # NOT_FOUND or FINISHED when error is set
+
+
+class DeleteRequest(msgspec.Struct, kw_only=True):
+    """Cancel ``job`` if it is unfinished, then remove its record, versions entry, objects and events."""
+
+    job: str
+    tenant: str = ""
+
+
+class DeleteReply(msgspec.Struct, kw_only=True):
+    id: str = ""
+    deleted_objects: int = 0
+    error: str = ""
+    code: str = ""  # NOT_FOUND when error is set
+
+
+class PinRequest(msgspec.Struct, kw_only=True):
+    """Keep ``version`` of ``job`` (its adapter) through garbage collection."""
+
+    job: str
+    version: int
+    tenant: str = ""
+
+
+class PinReply(msgspec.Struct, kw_only=True):
+    id: str = ""
+    pinned: list[int] = []
+    error: str = ""
+    code: str = ""  # NOT_FOUND or INVALID when error is set

@@ -35,6 +35,7 @@ log = structlog.get_logger("marlaas.bus")
 JOBS_BUCKET = "jobs"
 VERSIONS_BUCKET = "versions"
 TOOLS_BUCKET = "tools"
+TENANTS_BUCKET = "tenants"
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ BUCKETS = (
     BucketSpec(JOBS_BUCKET),
     BucketSpec(VERSIONS_BUCKET),
     BucketSpec(TOOLS_BUCKET, history=1, ttl_s=30.0),  # tool servers re-announce as a heartbeat
+    BucketSpec(TENANTS_BUCKET),
 )
 
 
@@ -308,6 +310,19 @@ class Bus:
         """Write ``key`` unconditionally (an upsert, e.g. a heartbeat); return the new revision."""
         kv = await self._bucket(bucket)
         return await kv.put(key, value)
+
+    async def kv_delete(self, bucket: str, key: str) -> None:
+        """Remove ``key`` and all its history, leaving no delete marker: as if never written.
+
+        A later compare-and-set on it fails (its last revision is gone), so a writer racing
+        the deletion cannot bring it back by an update.
+        """
+        await self._bucket(bucket)
+        await self.purge(f"KV_{bucket}", f"$KV.{bucket}.{key}")
+
+    async def purge(self, stream: str, subject: str) -> None:
+        """Delete every message of ``stream`` stored under ``subject`` (wildcards allowed)."""
+        await self.js.purge_stream(stream, subject=subject)
 
     async def kv_keys(self, bucket: str) -> list[str]:
         """Every key ever written to ``bucket``, from the server's per-subject counts.

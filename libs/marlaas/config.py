@@ -86,6 +86,14 @@ class EnvConfig(Section):
                 )
 
 
+class GatewayConfig(Section):
+    """The tenants' HTTP API (``services/gateway``): where it listens and what it accepts."""
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8470  # 0 = any free port (tests)
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1 << 20  # a job spec is a few hundred bytes
+
+
 class Config(Section):
     """The whole stack's configuration."""
 
@@ -99,6 +107,7 @@ class Config(Section):
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     manager: ManagerConfig = msgspec.field(default_factory=ManagerConfig)
     env: EnvConfig = msgspec.field(default_factory=EnvConfig)
+    gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
 
     @property
     def home_dir(self) -> Path:

@@ -74,6 +74,9 @@ class JobSpec(Wire):
     tools: tuple[str, ...] = ()  # tools the model may call, as named in the spec ("search", "acme.weather")
     tool_specs: tuple[ToolSpec, ...] = ()  # their registry entries when submitted: the prompt stays fixed
     reward: str = ""  # "<tenant>.<name>": a user's reward function instead of the task's
+    eval_every: int = 0  # score the committed version greedily every N versions (0 = never)
+    eval_problems: int = 32  # size of the held-out set
+    eval_dataset: str | None = None  # a held-out JSONL for dataset tasks (else a fixed held-out draw)
     grpo: GrpoSettings = msgspec.field(default_factory=GrpoSettings)
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
     submitted_at: float = 0.0
@@ -124,7 +127,17 @@ class JobFailureReported(Event, tag="job.failure"):
     version: int = -1
 
 
-JobEvent = JobSubmitted | JobStateChanged | JobFailureReported
+class JobEvaluated(Event, tag="job.eval"):
+    """Version ``version`` scored greedily on the job's held-out set (mean reward in [0, 1])."""
+
+    job: str
+    version: int
+    score: float
+    problems: int = 0
+    at: float = 0.0
+
+
+JobEvent = JobSubmitted | JobStateChanged | JobFailureReported | JobEvaluated
 
 
 # --- POLICY stream: marlaas.policy.committed.<job> ----------------------------------------
@@ -285,6 +298,11 @@ class CommittedVersion(Wire):
     committed_at: float = 0.0
 
 
+class EvalPoint(Wire):
+    version: int
+    score: float
+
+
 class JobRecord(Wire):
     """The ``jobs`` entry of a job: its spec, state and the figures users see."""
 
@@ -294,6 +312,8 @@ class JobRecord(Wire):
     version: int = -1
     rewards: list[float] = []  # mean reward of the batch trained at each version, in order
     metrics: dict[str, list[float]] = {}  # per version, like rewards: the agent's tool/* and episode/* figures
+    evals: list[EvalPoint] = []  # held-out scores, by version
+    pinned: list[int] = []  # versions the tenant pinned: garbage collection keeps their adapters
     kv_cache_bytes: int = 0
     admitted_at: float = 0.0
     first_commit_at: float = 0.0  # version 1, i.e. the first trained update

@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import io
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
@@ -65,6 +66,17 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def delete(self, key: str) -> None: ...
 
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object whose key starts with ``prefix``; return how many there were.
+
+        End the prefix with ``/`` to mean a folder (``adapters/<job>/`` must not also take
+        ``adapters/<job>x/``). An empty prefix is refused: it would empty the whole store.
+        """
+        keys = self.list(_checked_prefix(prefix))
+        for key in keys:
+            self.delete(key)
+        return len(keys)
+
     def uri(self, key: str) -> str:
         return f"{self.url.rstrip('/')}/{key}"
 
@@ -106,6 +118,13 @@ class ObjectStore(abc.ABC):
         path = Path(path)
         _atomic_write(path, self.get_bytes(key, sha256))
         return path
+
+
+def _checked_prefix(prefix: str) -> str:
+    if not prefix.strip("/"):
+        raise ValueError("delete_prefix needs a non-empty prefix (e.g. 'adapters/<job>/'); "
+                         "refusing to delete the whole store")
+    return prefix
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -161,6 +180,25 @@ class FileStore(ObjectStore):
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.path(key).unlink()
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete the objects under ``prefix``, then the folders that left empty (temp files too)."""
+        count = super().delete_prefix(prefix)
+        folder = self.root / prefix.rstrip("/") if prefix.endswith("/") else None
+        if folder is not None and folder.is_dir() and self.root in folder.resolve().parents:
+            shutil.rmtree(folder, ignore_errors=True)  # leftovers: a crashed writer's .tmp files
+            folder = folder.parent
+        else:
+            folder = self.path(prefix).parent
+        # prune the now-empty parents, short of the top-level folders (a writer may be creating
+        # a sibling in one: mkdir then write, with no lock between them)
+        while folder.parent != self.root and self.root in folder.parents:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (or gone): stop here
+                break
+            folder = folder.parent
+        return count
 
 
 class S3Store(ObjectStore):
@@ -231,6 +269,16 @@ class S3Store(ObjectStore):
 
     def delete(self, key: str) -> None:
         self.client.remove_object(self.bucket, self._name(key))
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete the objects under ``prefix`` in batches (one S3 DeleteObjects per 1,000 keys)."""
+        from minio.deleteobjects import DeleteObject
+
+        keys = self.list(_checked_prefix(prefix))
+        errors = list(self.client.remove_objects(self.bucket, [DeleteObject(self._name(k)) for k in keys]))
+        if errors:
+            raise OSError(f"{len(errors)} objects under {self.uri(prefix)} were not deleted: {errors[0]}")
+        return len(keys)
 
 
 def open_store(url: str) -> ObjectStore:

@@ -24,7 +24,8 @@ from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery, StaleRevisi
 from marlaas.commits import announce
 from marlaas.config import Config
 from marlaas.events import (
-    COMMITTED, JOB, JOB_RECORD, POLICY, CommittedVersion, JobFailureReported, JobRecord, JobSpec,
+    COMMITTED, JOB, JOB_RECORD, POLICY, CommittedVersion, EvalPoint, JobEvaluated, JobFailureReported, JobRecord,
+    JobSpec,
     JobState, JobStateChanged, JobSubmitted, encode,
 )
 from marlaas.runtime import Runtime
@@ -89,6 +90,10 @@ class Manager:
             (not 1 <= lora.rank <= rc.max_lora_rank,
              f"lora.rank must be between 1 and {rc.max_lora_rank} (rollout.max_lora_rank)"),
             (g.max_new_tokens < 0, "grpo.max_new_tokens must be >= 0 (0 = the task's own budget)"),
+            (request.eval_every < 0, "eval_every must be >= 0 (0 = no evaluation)"),
+            (not 1 <= request.eval_problems <= 1000, "eval_problems must be between 1 and 1000"),
+            (bool(request.eval_dataset) and not request.eval_every,
+             "eval_dataset is set but eval_every is 0: set eval_every = N to evaluate every N versions"),
             (not lora.alpha > 0, "lora.alpha must be > 0"),
             (lora.dropout != 0, "lora.dropout must be 0 for RL jobs: dropout makes the trained policy "
              "differ from the one that sampled the batch (off-policy); drop lora.dropout"),
@@ -104,6 +109,11 @@ class Manager:
             task = get_task(request.task, request.dataset, request.corpus)
         except TaskError as exc:
             raise api.SubmitError(str(exc)) from exc
+        if request.eval_dataset:
+            try:
+                get_task(request.task, request.eval_dataset, request.corpus)
+            except TaskError as exc:
+                raise api.SubmitError(f"eval_dataset: {exc}") from exc
         g = msgspec.structs.replace(g, max_new_tokens=g.max_new_tokens or task.max_new_tokens)
         tools = tuple(request.tools) if request.tools is not None else task.tools
         self.check_tool_names(request, task, tools)
@@ -127,7 +137,9 @@ class Manager:
         slug = _SLUG.sub("-", name.lower()).strip("-")[:40] or "job"
         spec = JobSpec(id=f"{request.tenant}.{slug}-{uuid.uuid4().hex[:6]}", tenant=request.tenant,
                        name=name, task=request.task, steps=request.steps, seed=request.seed,
-                       dataset=request.dataset, corpus=request.corpus, tools=tools, reward=request.reward, grpo=g, lora=lora,
+                       dataset=request.dataset, corpus=request.corpus, tools=tools,
+                       eval_every=request.eval_every, eval_problems=request.eval_problems,
+                       eval_dataset=request.eval_dataset, reward=request.reward, grpo=g, lora=lora,
                        submitted_at=time.time())
         return JobRecord(spec=spec, kv_cache_bytes=footprint)
 
@@ -292,6 +304,10 @@ class Manager:
         event = JOB.decode(delivery.data)
         if isinstance(event, JobFailureReported):
             await self.transition(event.job, JobState.FAILED, f"{event.service}: {event.reason}")
+        elif isinstance(event, JobEvaluated):
+            await self.update(event.job, lambda r: None if any(e.version == event.version for e in r.evals) else
+                              msgspec.structs.replace(r, evals=[*r.evals, EvalPoint(version=event.version,
+                                                                                     score=event.score)]))
 
     # --- API ----------------------------------------------------------------------------------
 
@@ -340,4 +356,5 @@ async def run(rt: Runtime) -> None:
         rt.bus.consume("POLICY", "manager", "marlaas.policy.committed.>", manager.on_policy, stop=rt.stop),
         rt.bus.consume("JOBS", "manager-failures", "marlaas.job.failure.>", manager.on_job_event,
                        stop=rt.stop),
+        rt.bus.consume("JOBS", "manager-evals", "marlaas.job.eval.>", manager.on_job_event, stop=rt.stop),
     )

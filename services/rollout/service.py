@@ -22,8 +22,8 @@ from marlaas.adapters import attempt_prefix, materialize
 from marlaas.bus import Bus, Delivery, PoisonMessage
 from marlaas.commits import read_job, report_failure
 from marlaas.events import (
-    JOB, POLICY, REWARD, EventDecodeError, JobSpec, JobStateChanged, PolicyCommitted, RewardItem, RewardRequest, Span,
-    TrajectoryBatch, TrajectoryReady, encode,
+    JOB, POLICY, REWARD, EventDecodeError, JobEvaluated, JobSpec, JobState, JobStateChanged, PolicyCommitted,
+    RewardItem, RewardRequest, Span, TrajectoryBatch, TrajectoryReady, encode,
 )
 from marlaas.runtime import Runtime
 from marlaas.tasks import Task, TaskError, get_task
@@ -40,6 +40,7 @@ INLINE_BATCH_LIMIT = 256 * 1024  # bigger batches travel through the object stor
 
 # Test-only fault injection: serve the first adapter's weights under every later version's
 # fresh name, the failure of vllm#47724 / #42125 that the logprob-gap audit must catch.
+EVAL_SEED = 987654321  # the held-out problems: a fixed draw, apart from every training version's
 STALE_ADAPTER_FAULT = os.environ.get("MARLAAS_FAULT_STALE_ADAPTER") == "1"
 
 
@@ -81,6 +82,7 @@ class Rollout:
         self.tasks: dict[str, Task] = {}
         self.adapter_locks: dict[str, asyncio.Lock] = {}
         self.finished: set[str] = set()  # jobs forgotten: never load an adapter for them again
+        self.eval_tasks: dict[str, Task] = {}  # each job's held-out task (its eval_dataset, if any)
         self.pinned: dict[str, object] = {}  # STALE_ADAPTER_FAULT only: each job's first adapter dir
 
     def task_of(self, spec: JobSpec) -> Task:
@@ -98,22 +100,57 @@ class Rollout:
         if state is None:
             raise PoisonMessage(f"policy-committed for unknown job {job}")
         record, spec = state.record, state.record.spec
-        if record.state.finished or version >= spec.steps:
-            return await self.forget(job)
+        final = version >= spec.steps and record.state in (JobState.RUNNING, JobState.COMPLETED)
         if self.engine.dead:  # vLLM's engine core died: exit, so the supervisor restarts this replica
             raise EngineGone("the vLLM engine is dead")
+        if final and spec.eval_every and state.committed.version == version:
+            async with delivery.keep_alive():
+                await self.evaluate(spec, event)  # the last version is scored too
+        if record.state.finished or version >= spec.steps:
+            return await self.forget(job)
         if state.committed.version != version:
             return  # an old announcement (redelivered): a newer version already exists
         async with delivery.keep_alive():
             batch = await self.sample_batch(spec, event)
             if batch is not None:
                 await self.publish(spec, version, batch)
+                if spec.eval_every and version % spec.eval_every == 0:  # after the batch: the trainer
+                    await self.evaluate(spec, event)  # works on it meanwhile; the next batch waits one eval
+
+    async def evaluate(self, spec: JobSpec, event: PolicyCommitted) -> None:
+        """Score ``event.version`` greedily on the job's held-out set; publish it as ``job.eval``."""
+        version = event.version
+        try:
+            task = self.eval_tasks.get(spec.id) or get_task(spec.task, spec.eval_dataset or spec.dataset, spec.corpus)
+            self.eval_tasks[spec.id] = task
+            problems = task.problems(spec.eval_problems, EVAL_SEED)
+            prompt_ids = [self.format.prompt_ids(p["prompt"], list(spec.tool_specs)) for p in problems]
+            async with self._lock(spec.id):
+                lora = await self.load_adapter(spec.id, version, event)
+                if lora is None:
+                    return
+                async with span(self.bus, SERVICE, "eval", spec.id, version, problems=len(problems)):
+                    episodes = await asyncio.gather(*(
+                        self.episode(spec, task, ids, lora, version, i, 0, temperature=0.0)
+                        for i, ids in enumerate(prompt_ids)))
+            texts = [self.engine.tokenizer.decode(e.ids[len(e.prompt_ids):], skip_special_tokens=True)
+                     for e in episodes]
+            rewards = await self.rewards(spec, problems, [[t] for t in texts])
+        except (TaskError, PoisonMessage, TimeoutError) as exc:  # an eval never fails the training
+            log.warning("evaluation failed; training goes on", job=spec.id, version=version, error=str(exc))
+            return
+        score = sum(rewards) / len(rewards)
+        await self.bus.publish(f"marlaas.job.eval.{spec.id}", encode(JobEvaluated(
+            job=spec.id, version=version, score=score, problems=len(problems), at=time.time())),
+            msg_id=f"{spec.id}:eval:{version}")
+        log.info("evaluated", job=spec.id, version=version, score=round(score, 4))
 
     async def forget(self, job: str) -> None:
         """Free what a finished job held: its engine adapter, task and adapter cache."""
         async with self._lock(job):
             self.finished.add(job)
             self.tasks.pop(job, None)
+            self.eval_tasks.pop(job, None)
             await self.engine.drop_job(job)
             await asyncio.to_thread(shutil.rmtree, self.cache_dir / job, True)
 
@@ -143,7 +180,8 @@ class Rollout:
             event = JOB.decode(msg.data)
         except EventDecodeError:
             return
-        if isinstance(event, JobStateChanged) and event.state.finished:
+        # a completed job is freed by its last announcement (after its final evaluation)
+        if isinstance(event, JobStateChanged) and event.state in (JobState.CANCELLED, JobState.FAILED):
             await self.forget(event.job)
 
     async def give_up(self, delivery: Delivery, exc: Exception) -> None:
@@ -185,7 +223,7 @@ class Rollout:
                                metrics=metrics)
 
     async def episode(self, spec: JobSpec, task: Task, prompt_ids: list[int], lora, version: int,
-                      prompt: int, sample: int) -> Episode:
+                      prompt: int, sample: int, temperature: float | None = None) -> Episode:
         """One sample: a single turn for single-turn tasks, a tool-using episode for agentic ones."""
         grpo, rc = spec.grpo, self.config.rollout
         limits = EpisodeLimits(
@@ -198,7 +236,8 @@ class Rollout:
         tools = ToolBox(spec.id, list(spec.tools), self.bus.request, rc.tool_timeout_s, self.engine.utilization,
                         context=task.tool_context())
         return await run_episode(
-            self.engine, self.format, prompt_ids, tools=tools, limits=limits, temperature=grpo.temperature,
+            self.engine, self.format, prompt_ids, tools=tools, limits=limits,
+            temperature=grpo.temperature if temperature is None else temperature,
             lora=lora, seed=lambda turn: sample_seed(spec, version, prompt, sample, turn))
 
     async def rewards(self, spec: JobSpec, problems: list[dict], groups: list[list[str]]) -> list[float]:

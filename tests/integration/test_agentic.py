@@ -46,8 +46,11 @@ async def catch_batches(url: str, job: str, into: list, stop: asyncio.Event) -> 
     """Copies of the job's trajectory batches as they are published (a plain subscription: the
     work queue itself is the trainer's)."""
     bus = await Bus.connect(url)
-    sub = await bus.nc.subscribe(f"marlaas.trajectory.ready.{job}",
-                                 cb=lambda msg: into.append(TRAJECTORY.decode(msg.data)) or asyncio.sleep(0))
+
+    async def keep(msg) -> None:
+        into.append(TRAJECTORY.decode(msg.data))
+
+    sub = await bus.nc.subscribe(f"marlaas.trajectory.ready.{job}", cb=keep)
     await stop.wait()
     await sub.unsubscribe()
     await bus.close()
@@ -89,7 +92,7 @@ def test_the_agentic_task_learns_to_use_its_tool_next_to_a_single_turn_job(stack
     assert len(success) == STEPS
 
     # trajectories hold tool turns, and observation tokens are masked out of the loss
-    with_tools = [s for b in batches for s in b.batch.samples if 0 in s.loss_mask] if batches else []
+    with_tools = [s for b in batches if b.batch for s in b.batch.samples if 0 in s.loss_mask]  # inline ones
     assert with_tools, "no trajectory contained a tool observation"
     from transformers import AutoTokenizer
 
@@ -98,7 +101,7 @@ def test_the_agentic_task_learns_to_use_its_tool_next_to_a_single_turn_job(stack
     masked = [t for t, m in zip(sample.completion_ids, sample.loss_mask) if m == 0]
     assert tokenizer.decode(masked).startswith(RESPONSE_OPEN) and RESPONSE_CLOSE in tokenizer.decode(masked)
     assert all(lp == 0.0 for lp, m in zip(sample.logprobs, sample.loss_mask) if m == 0)
-    assert all(lp < 0.0 or m == 0 for lp, m in zip(sample.logprobs, sample.loss_mask)) or True
+    assert any(lp < 0.0 for lp, m in zip(sample.logprobs, sample.loss_mask) if m == 1)  # the engine's
 
     # the second turn re-enters the engine through the prefix cache
     cached = agent.metrics["episode/cached_tokens"]

@@ -25,7 +25,7 @@ from marlaas.audit import MAX_LOGPROB_GAP, audit_training, gaps_by_version
 from marlaas.bus import Bus
 from marlaas.client import ApiError, Client
 from marlaas.config import load_config
-from marlaas.events import POLICY
+from marlaas.events import POLICY, PolicyCommitted
 from marlaas.launcher import Stack
 from marlaas.telemetry import read_spans
 
@@ -136,6 +136,8 @@ def test_bad_submissions_are_refused_and_create_nothing(stack):
         ({"task": "addition", "steps": 2, "lora": {"dropout": 0.1}}, "lora.dropout must be 0 for RL jobs"),
         ({"task": "addition", "steps": 2, "grpo": {"temperature": 0.0}}, "grpo.temperature must be in"),
         ({"task": "addition", "steps": 2, "grpo": {"top_p": 0.9}}, "'grpo.top_p' is not supported"),
+        ({"task": "addition", "steps": 2, "eval_every": -1}, "eval_every must be >= 0"),
+        ({"task": "addition", "steps": 2, "tools": ["calculator"]}, "is single-turn: it cannot call tools"),
     ]
 
     async def go():
@@ -336,3 +338,66 @@ async def submit_only(stack, jobs: list[dict]) -> list[str]:
     ids = [await client.submit(job) for job in jobs]
     await client.close()
     return ids
+
+
+@pytest.mark.timeout(300)
+def test_evaluation_scores_every_nth_version_and_the_last(stack):
+    """A job naming eval_every gets its committed versions scored greedily on a held-out set."""
+    (view,) = wait_all(stack, [{"name": "evaluated", "task": "addition", "steps": 4, "seed": 12,
+                                "eval_every": 2, "eval_problems": 16}])
+    assert view.state == "completed"
+    deadline = time.monotonic() + 60  # the last version's score may land just after completion
+    while len(view.evals) < 3:
+        assert time.monotonic() < deadline, view.evals
+        time.sleep(0.5)
+        view = run(status_of(stack, view.id))
+    assert [e.version for e in view.evals] == [0, 2, 4]
+    assert all(0.0 <= e.score <= 1.0 for e in view.evals)
+    print(f"held-out greedy scores: {[(e.version, round(e.score, 3)) for e in view.evals]}")
+
+    async def eval_events():
+        bus = await Bus.connect(stack.nats_url)
+        from marlaas.events import JOB, JobEvaluated
+
+        found = [JOB.decode(d) for d in await bus.read_all("JOBS", f"marlaas.job.eval.{view.id}")]
+        await bus.close()
+        return [e.version for e in found if isinstance(e, JobEvaluated)]
+
+    assert run(eval_events()) == [0, 2, 4]
+
+
+async def status_of(stack, job: str):
+    client = await Client.connect(stack.nats_url)
+    (view,) = await client.status(job)
+    await client.close()
+    return view
+
+
+@pytest.mark.timeout(400)
+def test_a_pulled_adapter_gives_the_same_greedy_text_in_peft_and_vllm(stack, tmp_path):
+    """The adapter a user takes out loads unchanged with peft and with vLLM's LoRARequest
+    (examples/load_adapter.py, the README's snippet) and both decode the same greedy text."""
+    (view,) = wait_all(stack, [{"name": "pulled", "task": "reverse", "steps": 3, "seed": 13}])
+
+    async def pull():
+        client = await Client.connect(stack.nats_url, store_url=stack.resolved.store_url)
+        last = None
+        async for event in client.events(view.id):
+            if isinstance(event, PolicyCommitted):
+                last = event
+        await client.pull_adapter(last, tmp_path / "adapter")
+        await client.close()
+        return last.version
+
+    assert run(pull()) == 3
+    prompts = ["rev:abcd=", "rev:hello=", "12+30=", "dup:xyz="]
+    done = subprocess.run(
+        [sys.executable, "examples/load_adapter.py", str(tmp_path / "adapter"), *sum((["--prompt", p] for p in prompts), [])],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.split("\t") for line in done.stdout.splitlines() if "\t" in line]
+    peft = {p: t for engine, p, t in lines if engine == "peft"}
+    vllm = {p: t for engine, p, t in lines if engine == "vllm"}
+    print(f"greedy through peft: {peft}\ngreedy through vLLM: {vllm}")
+    assert set(peft) == set(vllm) == set(prompts)
+    assert peft == vllm

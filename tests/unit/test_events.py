@@ -27,6 +27,7 @@ from marlaas.events import (
     Event,
     EventDecodeError,
     GrpoSettings,
+    JobEvaluated,
     JobFailureReported,
     JobRecord,
     JobSpec,
@@ -72,6 +73,7 @@ EXAMPLES = [
     (TOOL, ToolCall(job=SPEC.id, call_id="c-1", tool="calc.eval", arguments='{"expr": "2+2"}')),
     (TOOL, ToolResult(call_id="c-1", output="4")),
     (TOOL, ToolResult(call_id="c-2", error="division by zero")),
+    (JOB, JobEvaluated(job=SPEC.id, version=4, score=0.75, problems=32, at=1.0)),
     (REWARD, RewardRequest(job=SPEC.id, task="toy.add", items=[
         RewardItem(problem={"question": "2+2", "answer": 4}, completion="4"),
     ])),
