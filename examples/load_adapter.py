@@ -3,10 +3,11 @@
     marlaas pull JOB --out adapter/
     python examples/load_adapter.py adapter/ [BASE_MODEL_DIR] [--prompt 12+30= ...]
 
-Prints one line per prompt and engine; the two engines agree on the greedy text.
+Prints one JSON line per prompt and engine; the two engines agree on the greedy text.
 """
 
 import argparse
+import json
 import os
 
 
@@ -52,4 +53,4 @@ if __name__ == "__main__":
     prompts = args.prompt or ["12+30=", "rev:abcd=", "dup:xyz="]
     for name, run in (("peft", with_peft), ("vllm", with_vllm)):
         for prompt, text in zip(prompts, run(args.base_dir, args.adapter_dir, prompts, args.max_tokens)):
-            print(f"{name}\t{prompt}\t{text}", flush=True)
+            print(json.dumps({"engine": name, "prompt": prompt, "text": text}), flush=True)

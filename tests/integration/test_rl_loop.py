@@ -395,9 +395,9 @@ def test_a_pulled_adapter_gives_the_same_greedy_text_in_peft_and_vllm(stack, tmp
         [sys.executable, "examples/load_adapter.py", str(tmp_path / "adapter"), *sum((["--prompt", p] for p in prompts), [])],
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line.split("\t") for line in done.stdout.splitlines() if "\t" in line]
-    peft = {p: t for engine, p, t in lines if engine == "peft"}
-    vllm = {p: t for engine, p, t in lines if engine == "vllm"}
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"engine"')]
+    peft = {line["prompt"]: line["text"] for line in lines if line["engine"] == "peft"}
+    vllm = {line["prompt"]: line["text"] for line in lines if line["engine"] == "vllm"}
     print(f"greedy through peft: {peft}\ngreedy through vLLM: {vllm}")
     assert set(peft) == set(vllm) == set(prompts)
     assert peft == vllm
