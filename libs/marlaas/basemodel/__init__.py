@@ -9,8 +9,12 @@ It knows the ``addition``, ``reverse`` and ``repeat`` tasks (greedy reward ~1.0)
 deliberately under-confident: it was pretrained with label smoothing over each task's
 answer alphabet, so sampling at temperature 1.0 earns a mean partial-credit reward of only
 about 0.45. GRPO groups therefore have reward variance, and RL has a quick, real gain to
-make (sharpening the policy). Rebuild it with ``python -m marlaas.basemodel.pretrain``
-(two to three minutes on 2 CPU cores, reproducible on the same machine).
+make (sharpening the policy). It also half-knows the tool-call convention: on the agentic
+``multiply`` task it was taught to call the calculator (``<tool_call>{...}</tool_call>``, then
+copy the ``<tool_response>``) on a third of its examples and to guess on the rest, so it calls
+the tool on ~30 % of samples and RL teaches it to call it always. Rebuild it with
+``python -m marlaas.basemodel.pretrain`` (about five minutes on 2 CPU cores, reproducible on
+the same machine).
 """
 
 from __future__ import annotations

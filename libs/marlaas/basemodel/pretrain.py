@@ -2,13 +2,16 @@
 
 Run ``python -m marlaas.basemodel.pretrain [--out DIR] [--steps N]``. The script is
 straight-line and reproducible (fixed seeds, 2 CPU threads: the same machine rebuilds the
-same bytes) and takes two to three minutes on 2 cores:
+same bytes) and takes about five minutes on 2 cores:
 
 1. builds a character-level tokenizer (``tokenizers`` WordLevel, one token per character),
 2. builds a tiny Qwen3 (4 layers, width 128, head_dim 32, tied embeddings, ~0.8M params),
 3. supervised-pretrains it for a fixed number of steps on a mix of the ``addition``,
-   ``reverse`` and ``repeat`` toy problems (teacher forcing; loss on the answer and the
-   final ``<eos>`` only), with a *label-smoothed* loss (below),
+   ``reverse`` and ``repeat`` toy problems and the agentic ``multiply`` (teacher forcing; loss
+   on what the model writes and the final ``<eos>`` only, never on a tool's response), with
+   a *label-smoothed* loss (below). ``multiply`` examples are a calculator call, the tool's
+   response and the copied answer in ``CALL_SHARE`` of cases, a direct (guessed) answer in
+   the rest, so the model half-knows the call format: RL has a tool habit to strengthen,
 4. saves model (safetensors, float32), tokenizer and generation config, and prints
    greedy and temperature-1.0 mean rewards per task on held-out problems.
 
