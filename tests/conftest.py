@@ -2,11 +2,56 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import time
+
 import pytest
 
 from marlaas.bus import Bus
 from marlaas.embedded_nats import EmbeddedNats
 from marlaas.store import FileStore
+
+# what the suite starts: services, brokers, vLLM engine cores and servers, users' tool processes
+OURS = ("-m services.", "nats-server", "EngineCore", "vllm.entrypoints", "tools/acme_calculator.py",
+        "tenant_tools.py")
+
+
+def started_by_the_suite(since: float) -> list:
+    import psutil
+
+    found = []
+    ours = {child.pid for child in psutil.Process().children(recursive=True)}
+    for proc in psutil.process_iter(["pid", "ppid", "name", "cmdline", "create_time"]):
+        if proc.pid not in ours and proc.info["ppid"] != 1:  # neither ours nor an orphan: not the suite's
+            continue
+        try:
+            text = " ".join(proc.info["cmdline"] or []) + " " + (proc.info["name"] or "")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if proc.info["create_time"] >= since and proc.pid != os.getpid() and any(k in text for k in OURS):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind():
+    """When the suite ends, nothing it started is still running (a leftover fails the run)."""
+    import psutil
+
+    since = time.time() - 1
+    yield
+    deadline = time.monotonic() + 20
+    while (left := started_by_the_suite(since)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        described = [f"{p.pid}: {' '.join(p.cmdline())[:120]}" for p in left if p.is_running()]
+        for proc in left:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        pytest.fail("processes left running after the suite:\n" + "\n".join(described), pytrace=False)
+
 
 @pytest.fixture
 def nats_server(tmp_path):

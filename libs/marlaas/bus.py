@@ -161,7 +161,8 @@ class Bus:
         try:
             nc = await asyncio.wait_for(connecting, timeout_s)
         except TimeoutError as exc:
-            raise ConnectionError(f"no NATS server answers at {url} (is marlaas up?)") from exc
+            shown = url.rpartition("@")[2] if "@" in url else url  # never print the credentials
+            raise ConnectionError(f"no NATS server answers at {shown} (is marlaas up?)") from exc
         return cls(nc)
 
     async def close(self) -> None:

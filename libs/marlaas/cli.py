@@ -1,10 +1,16 @@
-"""``marlaas``: up, tasks, submit, status, cancel. Every command takes ``--json`` for scripts."""
+"""``marlaas``: up, tasks, submit, list, status, watch, cancel, delete, pull, report (and ``tenant``).
+
+Job commands go through the HTTP API with the SDK (``marlaas.Client.from_env``: the
+gateway and the default tenant's token of the stack under the home dir, or
+``MARLAAS_URL`` / ``MARLAAS_TOKEN``). Every command takes ``--json`` for scripts; errors
+print ``{"error"}`` and exit with code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import signal
 import sys
 import time
 import tomllib
@@ -37,14 +43,21 @@ def cmd_up(args, config) -> int:
 
     console = Console(stderr=True)
     stack = Stack(config)
-    with console.status("starting nats-server, manager, env, trainer, rollout (vLLM)..."):
+
+    def on_sigterm(*_) -> None:  # `kill`, systemd and `docker stop` stop the stack like Ctrl-C does
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    with console.status(f"starting nats-server, {', '.join(stack.services)} (vLLM)..."):
         stack.start()
-    info = {"nats_url": stack.nats_url, "home": str(stack.home), "store": stack.resolved.store_url}
+    info = stack.summary()  # addresses and paths, never a secret
     if args.json:
         _print_json(info)
     else:
-        console.print(f"marlaas is up: NATS {info['nats_url']}, store {info['store']}, "
-                      f"logs in {stack.home / 'logs'}. Crashed services are restarted; Ctrl-C stops it.")
+        console.print(f"marlaas is up: gateway {info['gateway_url']}, NATS {info['nats_url']}, "
+                      f"store {info['store']}, logs in {stack.home / 'logs'}; tenant default's token "
+                      f"is in {info['default_token_file']}. Crashed services are restarted; "
+                      "Ctrl-C stops it.")
     try:
         while True:
             stack.supervise()  # a crashed service comes back; the state it needs is in NATS
@@ -79,7 +92,7 @@ def submission_from_args(args) -> dict:
             job = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"job file {path} is not valid TOML: {exc}") from exc
-    for key in ("name", "task", "steps", "seed", "tenant", "dataset", "corpus", "reward"):
+    for key in ("name", "task", "steps", "seed", "dataset", "corpus", "reward"):
         value = getattr(args, key)
         if value is not None:
             job[key] = value
@@ -102,27 +115,24 @@ def submission_from_args(args) -> dict:
     if missing:
         raise ValueError(f"missing {' and '.join(missing)}: give a job file or --task NAME --steps N")
     job.setdefault("name", job["task"])
-    for key in ("dataset", "corpus"):  # the manager runs elsewhere: send absolute paths (a flag's
-        if job.get(key):  # relative to here, a job file's relative to that file)
-            where = Path(args.file).parent if args.file and getattr(args, key) is None else Path.cwd()
+    for key in ("dataset", "corpus", "eval_dataset"):  # the manager runs elsewhere: send absolute paths
+        if job.get(key):  # (a flag's relative to here, a job file's relative to that file)
+            where = Path(args.file).parent if args.file and getattr(args, key, None) is None else Path.cwd()
             job[key] = str((where / Path(job[key]).expanduser()).resolve())
     return job
 
 
-async def _with_client(config, fn):
-    from marlaas.client import Client
-    from marlaas.launcher import running_nats_url
+def _client(config):
+    """The HTTP SDK's client: ``MARLAAS_URL`` / ``MARLAAS_TOKEN``, else the stack under the home dir."""
+    from marlaas.sdk import Client
 
-    client = await Client.connect(running_nats_url(config))
-    try:
-        return await fn(client)
-    finally:
-        await client.close()
+    return Client.from_env(home=config.home_dir)
 
 
 def cmd_submit(args, config) -> int:
     job = submission_from_args(args)
-    job_id = asyncio.run(_with_client(config, lambda c: c.submit(job)))
+    with _client(config) as client:
+        job_id = client.submit(job)
     if args.json:
         _print_json({"id": job_id})
     else:
@@ -131,13 +141,16 @@ def cmd_submit(args, config) -> int:
 
 
 def status_table(views):
+    """A rich table of jobs (``JobInfo``s)."""
     from rich.table import Table
 
     table = Table("id", "task", "state", "version", "reward first", "reward last", "ttfs_s", "tpts_s")
     for v in views:
+        state = v.state + (f" ({v.reason})" if v.reason else "")
+        if v.queue_position is not None:
+            state += f" #{v.queue_position}"
         table.add_row(
-            v.id, v.task, v.state + (f" ({v.reason})" if v.reason else ""),
-            f"{v.version}/{v.target_steps}",
+            v.id, v.task, state, f"{v.version}/{v.target_steps}",
             f"{v.rewards[0]:.3f}" if v.rewards else "-", f"{v.rewards[-1]:.3f}" if v.rewards else "-",
             f"{v.ttfs_s:.1f}" if v.ttfs_s is not None else "-",
             f"{v.tpts_s:.2f}" if v.tpts_s is not None else "-",
@@ -145,39 +158,154 @@ def status_table(views):
     return table
 
 
+def cmd_list(args, config) -> int:
+    with _client(config) as client:
+        jobs = client.jobs()
+    if args.json:
+        _print_json({"jobs": jobs})
+    else:
+        from rich.console import Console
+
+        Console().print(status_table(jobs))
+    return 0
+
+
 def cmd_status(args, config) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    async def once(client):
-        return await client.status(args.job or "")
+    with _client(config) as client:
+        def once():
+            return [client.job(args.job)] if args.job else client.jobs()
 
-    if args.json:
-        _print_json({"jobs": asyncio.run(_with_client(config, once))})
-        return 0
-    if not args.watch:
-        Console().print(status_table(asyncio.run(_with_client(config, once))))
-        return 0
+        if args.json:
+            _print_json({"jobs": once()})
+        elif not args.watch:
+            Console().print(status_table(once()))
+        else:
+            try:
+                with Live(status_table(once()), refresh_per_second=2) as live:
+                    while True:
+                        time.sleep(1.0)
+                        live.update(status_table(once()))
+            except KeyboardInterrupt:
+                pass
+    return 0
 
-    async def watch(client):
-        with Live(status_table(await once(client)), refresh_per_second=2) as live:
-            while True:
-                await asyncio.sleep(1.0)
-                live.update(status_table(await once(client)))
 
-    try:
-        asyncio.run(_with_client(config, watch))
-    except KeyboardInterrupt:
-        pass
+class WatchProgress:
+    """What ``marlaas watch`` shows, kept up to date from the job's events."""
+
+    def __init__(self, info) -> None:
+        self.info = info
+        self.state, self.version, self.reward = info.state, info.version, (info.rewards or [None])[-1]
+        self.commits: dict[int, float] = {}  # version -> committed_at, versions >= 1
+
+    def apply(self, event) -> None:
+        data = event.data
+        if event.event == "policy.committed":
+            self.version = max(self.version, data["version"])
+            self.reward = data.get("metrics", {}).get("reward/mean", self.reward)
+            if data["version"] >= 1:
+                self.commits[data["version"]] = data.get("committed_at", 0.0)
+        elif event.event == "job.state":
+            self.state = data["state"]
+
+    def step_s(self) -> float | None:
+        """Time per step after the first (the definition of TPTS), from the commits seen."""
+        if len(self.commits) >= 2:
+            first, last = min(self.commits), max(self.commits)
+            return (self.commits[last] - self.commits[first]) / (last - first)
+        return self.info.tpts_s
+
+    def render(self):
+        from rich.progress_bar import ProgressBar
+        from rich.table import Table
+
+        target, done = self.info.target_steps, max(self.version, 0)
+        step = self.step_s()
+        eta = step * (target - done) if step is not None and self.state == "running" else None
+        grid = Table.grid(padding=(0, 2))
+        grid.add_row(self.info.id, self.state, ProgressBar(total=target, completed=done, width=30),
+                     f"version {done}/{target}")
+        grid.add_row("last reward", f"{self.reward:.3f}" if self.reward is not None else "-",
+                     f"time/step {step:.2f}s" if step is not None else "time/step -",
+                     f"ETA {eta:.0f}s" if eta is not None else "ETA -")
+        return grid
+
+
+def cmd_watch(args, config) -> int:
+    """Follow one job's progress live until it finishes (Ctrl-C leaves it running and exits 0)."""
+    from rich.console import Console
+    from rich.live import Live
+
+    with _client(config) as client:
+        info = client.job(args.job)
+        try:
+            if args.json:
+                for event in client.events(args.job):
+                    _print_json(event)
+                    sys.stdout.flush()
+                return 0
+            progress = WatchProgress(info)
+            with Live(progress.render(), refresh_per_second=4, console=Console()) as live:
+                for event in client.events(args.job):
+                    progress.apply(event)
+                    live.update(progress.render())
+        except KeyboardInterrupt:
+            return 0
+        final = client.job(args.job)
+    print(f"{final.id} {final.state}" + (f" ({final.reason})" if final.reason else "")
+          + f" at version {final.version}/{final.target_steps}")
     return 0
 
 
 def cmd_cancel(args, config) -> int:
-    state = asyncio.run(_with_client(config, lambda c: c.cancel(args.job)))
+    with _client(config) as client:
+        state = client.cancel(args.job)
     if args.json:
         _print_json({"id": args.job, "state": state})
     else:
         print(f"{args.job} {state}")
+    return 0
+
+
+def cmd_delete(args, config) -> int:
+    with _client(config) as client:
+        objects = client.delete(args.job)
+    if args.json:
+        _print_json({"id": args.job, "deleted": True, "deleted_objects": objects})
+    else:
+        print(f"{args.job} deleted ({objects} stored objects removed)")
+    return 0
+
+
+def cmd_pull(args, config) -> int:
+    with _client(config) as client:
+        version = args.version
+        if version is None:
+            versions = client.versions(args.job)
+            if not versions:
+                raise ValueError(f"job {args.job} has no committed version yet: pull it once it runs")
+            version = versions[-1].version
+        path = client.download(args.job, args.out, version)
+    if args.json:
+        _print_json({"id": args.job, "version": version, "path": str(path)})
+    else:
+        print(f"{args.job} version {version} -> {path} (a PEFT adapter directory)")
+    return 0
+
+
+def cmd_report(args, config) -> int:
+    from marlaas.report import write_report
+
+    with _client(config) as client:
+        info, versions = client.job(args.job), client.versions(args.job)
+    plots = write_report(info, versions, Path(args.out or f"report-{args.job}"))
+    if args.json:
+        _print_json({"id": args.job, "plots": [str(p) for p in plots]})
+    else:
+        print("\n".join(str(p) for p in plots))
     return 0
 
 
@@ -193,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    command("up", cmd_up, "start the embedded stack (nats-server + the four services)")
+    command("up", cmd_up, "start the embedded stack (nats-server + the services)")
     command("tasks", cmd_tasks, "list the built-in tasks")
     p = command("submit", cmd_submit, "submit a job from a TOML file and/or flags; prints its id")
     p.add_argument("file", nargs="?", help="a TOML job file")
@@ -201,7 +329,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int)
     p.add_argument("--name")
     p.add_argument("--seed", type=int)
-    p.add_argument("--tenant")
     p.add_argument("--dataset")
     p.add_argument("--corpus", help="a JSONL of passages (tasks that search your documents)")
     p.add_argument("--tool", action="append", metavar="NAME",
@@ -209,11 +336,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward", help="a reward function to use instead of the task's (TENANT.NAME or judge)")
     p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
                    help="override a setting, e.g. --set grpo.learning_rate=1e-3")
-    p = command("status", cmd_status, "show jobs (all, or one)")
+    command("list", cmd_list, "list your jobs")
+    p = command("status", cmd_status, "show your jobs (all, or one)")
     p.add_argument("job", nargs="?")
-    p.add_argument("--watch", action="store_true", help="live view until Ctrl-C")
+    p.add_argument("--watch", action="store_true", help="live table until Ctrl-C")
+    p = command("watch", cmd_watch, "follow a job live (version, reward, time per step, ETA) until it ends")
+    p.add_argument("job")
     p = command("cancel", cmd_cancel, "cancel a job")
     p.add_argument("job")
+    p = command("delete", cmd_delete, "delete a job and all of it: record, versions, adapters, events")
+    p.add_argument("job")
+    p = command("pull", cmd_pull, "download a version's adapter as a PEFT directory")
+    p.add_argument("job")
+    p.add_argument("--version", type=int, help="a committed version (default: the latest)")
+    p.add_argument("--out", required=True, help="directory to unpack the adapter into")
+    p = command("report", cmd_report, "plot a job's reward, eval score and time per step (PNG)")
+    p.add_argument("job")
+    p.add_argument("--out", help="directory for the plots (default: report-JOB)")
+    # --- tenant administration: `marlaas tenant ...` from libs/marlaas/admin.py, where it exists ---
+    try:
+        from marlaas.admin import add_tenant_commands
+    except ModuleNotFoundError as exc:
+        if exc.name != "marlaas.admin":
+            raise
+    else:
+        add_tenant_commands(sub)
     return parser
 
 

@@ -1,28 +1,53 @@
-"""The embedded stack: nats-server, a ``file://`` store and the four services as processes.
+"""The embedded stack: nats-server, a ``file://`` store and the services as processes.
 
 ``marlaas up``, ``make demo``, the integration tests and the benchmarks all start
 the stack through :class:`Stack`. Children run in their own sessions so a Ctrl-C
 reaches only the launcher, which then stops them in reverse start order (each
 drains its in-flight work on SIGTERM) and the broker last.
+
+The embedded broker requires credentials (:mod:`marlaas.natsauth`). Under ``<home>/run``,
+each readable by its owner only: ``services.password`` (new at every start),
+``nats.url`` (the broker's URL with the services' credentials in it: what the services,
+``marlaas status`` and the test suite connect with) and ``default-tenant.token`` (the token
+of tenant ``default``, made once, for the CLI and the SDK).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
 import structlog
 
+from marlaas import natsauth
 from marlaas.config import Config, dump_config
 from marlaas.embedded_nats import EmbeddedNats
+from marlaas.processes import kill_group, spawn
 
 log = structlog.get_logger("marlaas.launcher")
-SERVICES = ("manager", "env", "trainer", "rollout")
+SERVICES = ("manager", "gateway", "env", "trainer", "rollout")
+DEFAULT_TENANT = "default"
+DEFAULT_TOKEN_FILE = "default-tenant.token"
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (0600), replacing it atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.unlink(missing_ok=True)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(partial, path)
 
 
 class StackError(RuntimeError):
@@ -47,7 +72,29 @@ class Stack:
 
     @property
     def nats_url(self) -> str:
+        """The broker's URL with the services' credentials in it (the embedded broker's)."""
         return self.resolved.nats_url
+
+    @property
+    def gateway_url(self) -> str | None:
+        """The gateway's HTTP address, once it listens (it writes ``run/gateway.url``)."""
+        marker = self.run_dir / "gateway.url"
+        return marker.read_text().strip() if marker.exists() else None
+
+    @property
+    def default_token_file(self) -> Path:
+        return self.run_dir / DEFAULT_TOKEN_FILE
+
+    def summary(self) -> dict:
+        """What ``marlaas up`` prints: addresses (no secrets), the home dir, the token file."""
+        token_file = self.default_token_file
+        return {
+            "nats_url": natsauth.redact_url(self.nats_url),
+            "gateway_url": self.gateway_url,
+            "home": str(self.home),
+            "store": self.resolved.store_url,
+            "default_token_file": str(token_file) if token_file.exists() else None,
+        }
 
     def start(self, timeout_s: float = 180.0) -> Stack:
         """Start the broker and every service; return once all report ready."""
@@ -57,16 +104,14 @@ class Stack:
         ready_dir.mkdir(parents=True, exist_ok=True)
         for stale in ready_dir.iterdir():
             stale.unlink()
-        url = self.config.nats_url
-        if not url:
-            self.nats = EmbeddedNats(self.home / "nats").start()
-            url = self.nats.url
+        (self.run_dir / "gateway.url").unlink(missing_ok=True)
+        url = self.config.nats_url or self._start_broker()
         self.resolved = msgspec.structs.replace(
             self.config, nats_url=url, store_url=self.config.resolved_store_url
         )
         self.config_path = self.run_dir / "config.json"
-        self.config_path.write_bytes(dump_config(self.resolved))
-        (self.run_dir / "nats.url").write_text(url)
+        write_private(self.config_path, dump_config(self.resolved).decode())  # holds the password
+        write_private(self.run_dir / "nats.url", url)
         try:
             for name in self.services:
                 self._spawn(name)
@@ -76,18 +121,44 @@ class Stack:
             raise
         return self
 
+    def _start_broker(self) -> str:
+        """Start the embedded nats-server with auth; return its URL with the services' credentials.
+
+        It starts with the last run's users under a new services password; once the bucket is
+        readable and tenant ``default`` exists (made here the first time), the users are
+        rendered from the ``tenants`` bucket and reloaded.
+        """
+        password = secrets.token_hex(24)
+        write_private(self.run_dir / "services.password", password)
+        auth_file = self.home / "nats" / natsauth.AUTH_FILE
+        text = natsauth.render_auth(natsauth.bcrypt_hash(password), [])
+        if auth_file.exists():  # the last run's tenants can reconnect from the first moment
+            with contextlib.suppress(natsauth.AuthConfigError):  # not ours: start from scratch
+                text = natsauth.with_services_password(auth_file.read_text(), password)
+        natsauth.write_auth_conf(auth_file, text)
+        self.nats = EmbeddedNats(auth_file.parent, auth=True).start()
+        url = natsauth.url_with_credentials(self.nats.url, natsauth.SERVICES_USER, password)
+        try:
+            run_coroutine(provision_tenants(url, self.nats, password, self.default_token_file))
+        except BaseException:
+            self.nats.stop()
+            self.nats = None
+            raise
+        return url
+
     def _spawn(self, name: str) -> None:
         logfile = open(self.home / "logs" / f"{name}.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.child_env}
-        self.procs[name] = subprocess.Popen(
+        self.procs[name] = spawn(
             [sys.executable, "-m", f"services.{name}", "--config", str(self.config_path)],
-            stdout=logfile, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            stdout=logfile, stderr=subprocess.STDOUT, env=env,
         )
 
     def kill(self, name: str) -> None:
-        """SIGKILL one service (a crash, for chaos tests); :meth:`restart` brings it back."""
+        """SIGKILL one service and everything it started (a crash, for chaos tests); its
+        engine core goes with it. :meth:`restart` brings it back."""
         proc = self.procs[name]
-        proc.kill()
+        kill_group(proc.pid)
         proc.wait()
 
     def restart(self, name: str, timeout_s: float = 180.0) -> None:
@@ -123,6 +194,7 @@ class Stack:
         for name, proc in list(self.procs.items()):
             if proc.poll() is not None:
                 log.warning("service exited; restarting it", service=name, code=proc.returncode)
+                kill_group(proc.pid)  # what it left behind (a vLLM engine core) goes first
                 self._spawn(name)
                 restarted.append(name)
         return restarted
@@ -137,13 +209,14 @@ class Stack:
                     proc.wait(timeout=timeout_s)
                 except subprocess.TimeoutExpired:
                     log.warning("service did not stop in time; killed", service=name)
-                    proc.kill()
-                    proc.wait()
+            kill_group(proc.pid, signal.SIGTERM)  # the service and anything of it still running
+            proc.wait()
         self.procs.clear()
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
-        (self.run_dir / "nats.url").unlink(missing_ok=True)
+        for marker in ("nats.url", "gateway.url", "services.password"):
+            (self.run_dir / marker).unlink(missing_ok=True)
 
     def __enter__(self) -> Stack:
         return self.start()
@@ -152,8 +225,60 @@ class Stack:
         self.stop()
 
 
+def run_coroutine(coroutine):
+    """Run ``coroutine`` to its end from sync code, even under a running event loop."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+async def provision_tenants(url: str, broker: EmbeddedNats, services_password: str,
+                            token_file: Path) -> None:
+    """Create the topology and tenant ``default`` (its token into ``token_file``), then render
+    the broker's users from the ``tenants`` bucket and reload it."""
+    from marlaas import tenants
+    from marlaas.bus import Bus
+
+    bus = await Bus.connect(url, name="marlaas-launcher", timeout_s=15.0)
+    try:
+        await bus.ensure_topology()
+        await ensure_default_tenant(bus, token_file)
+        await tenants.write_broker_auth(bus, broker.auth_file, services_password)
+        broker.reload()
+    finally:
+        await bus.close()
+
+
+async def ensure_default_tenant(bus, token_file: Path) -> None:
+    """Add tenant ``default`` if missing; give it a new token if ``token_file`` lost the old one.
+
+    A revoked ``default`` stays revoked (and its token file goes).
+    """
+    from marlaas import tenants
+
+    record = await tenants.get_tenant(bus, DEFAULT_TENANT)
+    if record is None:
+        _, token = await tenants.add_tenant(bus, DEFAULT_TENANT)
+    elif not record.active:
+        log.warning("tenant default was revoked; not recreating it")
+        token_file.unlink(missing_ok=True)
+        return
+    else:
+        token = token_file.read_text().strip() if token_file.exists() else ""
+        if record.token_bcrypt and await tenants.authenticate(bus, token) is not None:
+            return
+        _, token = await tenants.rotate_token(bus, DEFAULT_TENANT)
+    write_private(token_file, token)
+
+
+def default_tenant_token(config: Config) -> str | None:
+    """The token of tenant ``default`` that ``marlaas up`` left under ``<home>/run``, if any."""
+    token_file = config.home_dir / "run" / DEFAULT_TOKEN_FILE
+    return token_file.read_text().strip() if token_file.exists() else None
+
+
 def running_nats_url(config: Config) -> str:
-    """The broker a CLI call should talk to: configured, or the one ``marlaas up`` started."""
+    """The broker a CLI call should talk to: configured, or the one ``marlaas up`` started
+    (that URL carries the services' credentials)."""
     if config.nats_url:
         return config.nats_url
     marker = config.home_dir / "run" / "nats.url"

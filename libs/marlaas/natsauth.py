@@ -23,6 +23,7 @@ server reload it without a restart: new users connect at once, removed users are
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -142,6 +143,24 @@ def render_auth(services_bcrypt: str, tenants: Iterable[tuple[str, str]]) -> str
     return "\n".join(lines)
 
 
+_SERVICES_LINE = re.compile(rf'^    \{{user: "{SERVICES_USER}", password: "([^"]+)"\}}$', re.M)
+
+
+def with_services_password(text: str, password: str) -> str:
+    """A rendered ``auth.conf`` whose services user has ``password`` (tenants kept as they are).
+
+    The broker can start with its tenants' users before the ``tenants`` bucket is readable,
+    which needs the broker. Returns ``text`` itself when the password already matches.
+    """
+    found = _SERVICES_LINE.search(text)
+    if found is None:
+        raise AuthConfigError("not an auth.conf that marlaas rendered (no services user line)")
+    if bcrypt.checkpw(password.encode(), found[1].encode()):
+        return text
+    line = f"    {{user: {_quoted(SERVICES_USER)}, password: {_quoted(bcrypt_hash(password))}}}"
+    return f"{text[:found.start()]}{line}{text[found.end():]}"
+
+
 def check_auth_conf(path: Path, server_binary: str | None = None) -> None:
     """Raise :class:`AuthConfigError` unless nats-server accepts ``path`` as an ``include``.
 
@@ -182,16 +201,48 @@ def write_auth_conf(path: Path, text: str) -> bool:
     return True
 
 
-def reload_server(pid_file: Path) -> int:
-    """SIGHUP the nats-server whose pid is in ``pid_file``; return that pid."""
+def reload_server(pid_file: Path, log_file: Path | None = None, timeout_s: float = 10.0) -> int:
+    """SIGHUP the nats-server whose pid is in ``pid_file``; return that pid.
+
+    With ``log_file`` (the server's log), return only once the server logged that it
+    reloaded, so a new user can connect and a revoked one is cut off when this returns;
+    raise :class:`AuthConfigError` if it logged a failure instead.
+    """
     import signal
 
+    offset = log_file.stat().st_size if log_file is not None and log_file.exists() else 0
     try:
         pid = int(Path(pid_file).read_text().strip())
+        cmdline = Path(f"/proc/{pid}/cmdline")
+        # a stale pid file must not make us SIGHUP (by default: kill) some other process
+        if cmdline.parent.parent.exists() and b"nats-server" not in cmdline.read_bytes():
+            raise ProcessLookupError(f"process {pid} is not a nats-server")
         os.kill(pid, signal.SIGHUP)
-    except (FileNotFoundError, ValueError, ProcessLookupError) as exc:
+    except (OSError, ValueError) as exc:
         raise AuthConfigError(f"cannot reload the broker through {pid_file}: {exc}") from exc
+    if log_file is not None:
+        wait_for_reload(log_file, offset, timeout_s)
     return pid
+
+
+def wait_for_reload(log_file: Path, offset: int, timeout_s: float = 10.0) -> None:
+    """Wait until the server's log, past ``offset``, says a reload finished (or failed)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with open(log_file, "rb") as f:
+            f.seek(offset)
+            logged = f.read().decode(errors="replace")
+        if "Reloaded server configuration" in logged:
+            return
+        failed = [line for line in logged.splitlines() if "reload" in line.lower() and "[ERR]" in line]
+        if failed:
+            raise AuthConfigError(f"nats-server did not reload: {failed[0]}")
+        if time.monotonic() > deadline:
+            raise AuthConfigError(f"nats-server did not report a reload within {timeout_s:.0f}s; "
+                                  f"see {log_file}")
+        time.sleep(0.02)
 
 
 # --- credentials in URLs ----------------------------------------------------------------------

@@ -5,23 +5,37 @@ one KV read, and only the token's sha256 is stored (the token itself is printed 
 the tenant is added). A revoked tenant keeps its record (its jobs keep their owner) but no
 token of it is accepted. The tenant of every API call comes from its token, never from a
 field a caller writes.
+
+The token is also the tenant's NATS password (user = tenant name): the record keeps its
+bcrypt hash too, so the broker's ``auth.conf`` can be rendered from this bucket alone
+(:func:`write_broker_auth`, rules in :mod:`marlaas.natsauth`). Adding a tenant also makes
+the durable consumers through which it may replay its own jobs' events; revoking deletes them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import re
 import secrets
 import time
+from pathlib import Path
 
 import msgspec
+import nats.js.errors
+import structlog
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from marlaas.bus import TENANTS_BUCKET, Bus, StaleRevision
+from marlaas import natsauth
+from marlaas.bus import TENANTS_BUCKET, TOOLS_BUCKET, Bus, StaleRevision
 from marlaas.events import Codec, Wire, encode
 
+log = structlog.get_logger("marlaas.tenants")
+
 TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
-TOKEN_RE = re.compile(r"^mlt_([a-z0-9][a-z0-9-]{0,31})_([0-9a-f]{48})$")
+# 128 random bits: with the longest name a token is 69 bytes, within the 72 that bcrypt reads
+TOKEN_RE = re.compile(r"^mlt_([a-z0-9][a-z0-9-]{0,31})_([0-9a-f]{32})$")
 DEFAULT_MAX_JOBS = 8
 
 
@@ -30,10 +44,11 @@ class TenantError(ValueError):
 
 
 class TenantRecord(Wire):
-    """One tenant: the hash of its token, its quota, and whether it was revoked."""
+    """One tenant: the hashes of its token, its quota, and whether it was revoked."""
 
     name: str
     token_sha256: str
+    token_bcrypt: str = ""  # the broker's copy (auth.conf); "" = no NATS user (an older record)
     max_jobs: int = DEFAULT_MAX_JOBS  # jobs queued or running at once
     created_at: float = 0.0
     revoked_at: float = 0.0
@@ -47,6 +62,9 @@ TENANT = Codec("tenant record", TenantRecord)
 
 
 def check_tenant_name(name: str) -> str:
+    """``name`` if it can be a tenant's (it becomes a subject token and a NATS user name)."""
+    if name == natsauth.SERVICES_USER:
+        raise TenantError(f"{name!r} is the platform's own broker user; choose another tenant name")
     if not TENANT_RE.match(name):
         raise TenantError(f"tenant name {name!r} is invalid: use 1-32 lowercase letters, digits and '-', "
                           "starting with a letter or digit")
@@ -58,7 +76,13 @@ def token_sha256(token: str) -> str:
 
 
 def new_token(tenant: str) -> str:
-    return f"mlt_{tenant}_{secrets.token_hex(24)}"
+    return f"mlt_{tenant}_{secrets.token_hex(16)}"
+
+
+def tenant_of_token(token: str) -> str | None:
+    """The tenant a well-formed token names (not a check that it is valid), else None."""
+    found = TOKEN_RE.match(token or "")
+    return found[1] if found else None
 
 
 async def add_tenant(bus: Bus, name: str, max_jobs: int = DEFAULT_MAX_JOBS) -> tuple[TenantRecord, str]:
@@ -67,11 +91,28 @@ async def add_tenant(bus: Bus, name: str, max_jobs: int = DEFAULT_MAX_JOBS) -> t
     if max_jobs < 1:
         raise TenantError(f"--max-jobs must be at least 1 (got {max_jobs})")
     token = new_token(name)
-    record = TenantRecord(name=name, token_sha256=token_sha256(token), max_jobs=max_jobs, created_at=time.time())
+    record = TenantRecord(name=name, token_sha256=token_sha256(token), max_jobs=max_jobs,
+                          token_bcrypt=natsauth.bcrypt_hash(token), created_at=time.time())
     try:
         await bus.kv_create(TENANTS_BUCKET, name, encode(record))
     except StaleRevision:
         raise TenantError(f"tenant {name!r} already exists (`marlaas tenant list`)") from None
+    await ensure_replay_consumers(bus, name)
+    return record, token
+
+
+async def rotate_token(bus: Bus, name: str) -> tuple[TenantRecord, str]:
+    """Give active tenant ``name`` a new token (returned once); the old one stops working."""
+    entry = await bus.kv_get(TENANTS_BUCKET, name)
+    if entry is None:
+        raise TenantError(f"no tenant {name!r} (`marlaas tenant list`)")
+    record = TENANT.decode(entry.value)
+    if not record.active:
+        raise TenantError(f"tenant {name!r} was revoked; add a tenant under another name")
+    token = new_token(name)
+    record = msgspec.structs.replace(record, token_sha256=token_sha256(token),
+                                     token_bcrypt=natsauth.bcrypt_hash(token))
+    await bus.kv_update(TENANTS_BUCKET, name, encode(record), entry.revision)
     return record, token
 
 
@@ -94,6 +135,7 @@ async def revoke_tenant(bus: Bus, name: str) -> TenantRecord:
     if record.active:
         record = msgspec.structs.replace(record, revoked_at=time.time())
         await bus.kv_update(TENANTS_BUCKET, name, encode(record), entry.revision)
+    await delete_replay_consumers(bus, name)
     return record
 
 
@@ -106,3 +148,62 @@ async def authenticate(bus: Bus, token: str) -> TenantRecord | None:
     if record is None or not record.active:
         return None
     return record if hmac.compare_digest(record.token_sha256, token_sha256(token)) else None
+
+
+# --- the broker's side: replay consumers, the registry, auth.conf -----------------------------
+
+
+async def ensure_replay_consumers(bus: Bus, tenant: str) -> None:
+    """Create (idempotently) the durable pull consumers ``tenant`` may read its events from."""
+    for consumer in natsauth.replay_consumers(tenant):
+        await bus.js.add_consumer(consumer.stream, ConsumerConfig(
+            durable_name=consumer.name, filter_subject=consumer.filter_subject,
+            ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+        ))
+
+
+async def delete_replay_consumers(bus: Bus, tenant: str) -> None:
+    for consumer in natsauth.replay_consumers(tenant):
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await bus.js.delete_consumer(consumer.stream, consumer.name)
+
+
+async def lock_tools_registry(bus: Bus) -> None:
+    """Refuse rollup headers on the tools bucket's stream.
+
+    A tenant may publish to its own registry keys; a ``Nats-Rollup: all`` header on such a
+    publish would otherwise purge every tenant's entries. (The registry never rolls up:
+    entries expire, and a delete purges through the stream API.)
+    """
+    await bus.kv_keys(TOOLS_BUCKET)  # opens (creates if missing) the bucket
+    config = (await bus.js.stream_info(f"KV_{TOOLS_BUCKET}")).config
+    if config.allow_rollup_hdrs:
+        config.allow_rollup_hdrs = False
+        await bus.js.update_stream(config)
+
+
+async def write_broker_auth(bus: Bus, auth_file: Path, services_password: str,
+                            pid_file: Path | None = None, log_file: Path | None = None) -> bool:
+    """Render ``auth_file`` from the bucket (every active tenant with a broker password),
+    validate it, and reload the server in ``pid_file`` if given (waiting for its ``log_file``
+    to confirm, if given); True if it reloaded.
+
+    Also makes sure each active tenant's replay consumers and the registry's rollup lock
+    exist, so the rendered permissions always point at something real.
+    """
+    await lock_tools_registry(bus)
+    users = []
+    for record in await list_tenants(bus):
+        if not record.active:
+            continue
+        if not record.token_bcrypt:
+            log.warning("tenant has no broker password; rotate its token", tenant=record.name)
+            continue
+        await ensure_replay_consumers(bus, record.name)
+        users.append((record.name, record.token_bcrypt))
+    text = natsauth.render_auth(natsauth.bcrypt_hash(services_password), users)
+    natsauth.write_auth_conf(auth_file, text)
+    if pid_file is None:
+        return False
+    natsauth.reload_server(pid_file, log_file)
+    return True

@@ -33,6 +33,7 @@ from marlaas.store import ObjectStore
 from marlaas.tasks import TaskError, get_task
 from marlaas.tools.registry import ToolNameError, read_tool, split_qualified
 from services.manager.admission import job_footprint, kv_bytes_per_token, to_admit
+from services.manager.job_admin import delete_job, pin_version, quota_refusal
 
 log = structlog.get_logger("manager")
 _SLUG = re.compile(r"[^a-z0-9]+")
@@ -64,6 +65,8 @@ class Manager:
         self.bytes_per_token = kv_bytes_per_token(self.model_dir, config.rollout.dtype)
         self.budget_bytes = int(config.manager.kv_budget_gib * 2**30)
         self._admission = asyncio.Lock()
+        self._submitting = asyncio.Lock()  # a tenant's quota is counted and its job created as one step
+        self._background: set[asyncio.Task] = set()
         self._waiting = True  # jobs may be queued, or the last admission pass failed
         from transformers import AutoTokenizer
 
@@ -178,13 +181,28 @@ class Manager:
             request = api.parse_submission(msgspec.json.decode(data))
             record = await self.resolve_tools(self.validate(request))
         except (api.SubmitError, msgspec.DecodeError) as exc:
-            return api.SubmitReply(error=str(exc))
+            return api.SubmitReply(error=str(exc), code=api.INVALID)
         spec = record.spec
-        await self.bus.kv_create(JOBS_BUCKET, spec.id, encode(record))
+        async with self._submitting:
+            refusal = await quota_refusal(self.bus, spec.tenant)
+            if refusal:
+                return api.SubmitReply(error=refusal, code=api.QUOTA)
+            await self.bus.kv_create(JOBS_BUCKET, spec.id, encode(record))
         await self.bus.publish(f"marlaas.job.submitted.{spec.id}", encode(JobSubmitted(spec=spec)))
         log.info("job submitted", job=spec.id, task=spec.task, steps=spec.steps)
         await self.try_admission()
         return api.SubmitReply(id=spec.id)
+
+    @property
+    def admission_lock(self) -> asyncio.Lock:
+        """Held by each admission pass (which may commit version 0 of a queued job)."""
+        return self._admission
+
+    def in_background(self, work) -> None:
+        """Run ``work`` (a coroutine) as a task the manager keeps a reference to."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def try_admission(self) -> None:
         """Admit what fits; a failure (store or broker down) is logged and retried by :meth:`keep_admitting`."""
@@ -326,9 +344,10 @@ class Manager:
         entry = await self.bus.kv_get(JOBS_BUCKET, request.job)
         record = JOB_RECORD.decode(entry.value) if entry else None
         if record is None or (request.tenant and record.spec.tenant != request.tenant):
-            return api.CancelReply(error=f"no job {request.job!r}; `marlaas status` lists your jobs")
+            return api.CancelReply(error=f"no job {request.job!r}; `marlaas status` lists your jobs",
+                                   code=api.NOT_FOUND)
         if record.state.finished:
-            return api.CancelReply(id=request.job, state=record.state.value,
+            return api.CancelReply(id=request.job, state=record.state.value, code=api.FINISHED,
                                    error=f"job {request.job} already {record.state.value}")
         await self.transition(request.job, JobState.CANCELLED, "cancelled by user")
         return api.CancelReply(id=request.job, state=JobState.CANCELLED.value)
@@ -343,11 +362,18 @@ def _reply(handler):
     return answer
 
 
+async def _pong(data: bytes) -> bytes:
+    return b"{}"
+
+
 async def run(rt: Runtime) -> None:
     manager = await asyncio.to_thread(Manager, rt.bus, rt.store, rt.config)
     await rt.bus.serve(api.SUBMIT, "manager", _reply(manager.submit))
     await rt.bus.serve(api.STATUS, "manager", _reply(manager.status))
     await rt.bus.serve(api.CANCEL, "manager", _reply(manager.cancel))
+    await rt.bus.serve(api.DELETE, "manager", _reply(lambda data: delete_job(manager, data)))
+    await rt.bus.serve(api.PIN, "manager", _reply(lambda data: pin_version(manager, data)))
+    await rt.bus.serve(api.PING, "manager", _pong)
     rt.ready()
     log.info("ready", schedule=rt.config.manager.schedule,
              kv_budget_mib=round(manager.budget_bytes / 2**20, 1))

@@ -1,4 +1,5 @@
-"""`marlaas up`: the embedded stack starts as processes, answers the CLI, and Ctrl-C stops it all."""
+"""`marlaas up`: the embedded stack starts as processes, answers the CLI (through the gateway, as
+the default tenant), and Ctrl-C stops it all."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 import time
 
 import pytest
+
+from marlaas.launcher import SERVICES
 
 
 def alive(pid: int) -> bool:
@@ -23,12 +26,17 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.timeout(400)
 def test_up_serves_the_cli_and_ctrl_c_stops_every_process(tmp_path):
-    env = {**os.environ, "MARLAAS_NATS_URL": "", "MARLAAS_HOME": str(tmp_path)}
+    config = tmp_path / "marlaas.toml"
+    config.write_text("[gateway]\nport = 0\n")  # any free port: never collides with another stack
+    env = {**os.environ, "MARLAAS_NATS_URL": "", "MARLAAS_URL": "", "MARLAAS_TOKEN": "",
+           "MARLAAS_HOME": str(tmp_path), "MARLAAS_CONFIG": str(config)}
     up = subprocess.Popen([sys.executable, "-m", "marlaas.cli", "up", "--json"], stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, text=True, env=env)
     try:
         info = json.loads(up.stdout.readline())  # printed once every service is ready
         assert info["nats_url"].startswith("nats://127.0.0.1:")
+        assert info["gateway_url"] == (tmp_path / "run" / "gateway.url").read_text().strip()
+        assert info["gateway_url"].startswith("http://127.0.0.1:")
         status = subprocess.run([sys.executable, "-m", "marlaas.cli", "status", "--json"], env=env,
                                 capture_output=True, text=True, timeout=60)
         assert json.loads(status.stdout) == {"jobs": []}
@@ -39,7 +47,7 @@ def test_up_serves_the_cli_and_ctrl_c_stops_every_process(tmp_path):
         out, _ = watch.communicate(timeout=30)
         assert watch.returncode == 0 and "tpts_s" in out  # the live table rendered, Ctrl-C ended it
         children = [int(p.name.rsplit("-", 1)[1]) for p in (tmp_path / "run" / "ready").iterdir()]
-        assert len(children) == 4 and all(alive(pid) for pid in children)
+        assert len(children) == len(SERVICES) and all(alive(pid) for pid in children)
         env_pid = next(int(p.name.rsplit("-", 1)[1]) for p in (tmp_path / "run" / "ready").glob("env-*"))
         os.kill(env_pid, signal.SIGKILL)  # a crashed service is restarted by `up`
         deadline = time.monotonic() + 60
@@ -53,7 +61,6 @@ def test_up_serves_the_cli_and_ctrl_c_stops_every_process(tmp_path):
         code = up.wait(timeout=120)
     assert code == 0
     assert not any(alive(pid) for pid in children)
-    assert not (tmp_path / "run" / "nats.url").exists()
-    logs = {name: (tmp_path / "logs" / f"{name}.log").read_text()
-            for name in ("manager", "trainer", "env", "rollout")}
+    assert not (tmp_path / "run" / "nats.url").exists() and not (tmp_path / "run" / "gateway.url").exists()
+    logs = {name: (tmp_path / "logs" / f"{name}.log").read_text() for name in SERVICES}
     assert all("stopped" in text for text in logs.values()), "a service did not drain and stop cleanly"

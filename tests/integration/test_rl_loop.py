@@ -179,10 +179,13 @@ def test_cancel_stops_a_running_job(stack):
 
 
 def cli(stack, *args: str) -> tuple[int, dict]:
-    """Run the real ``marlaas`` CLI against the running stack; parse its --json output."""
+    """Run the real ``marlaas`` CLI against the running stack (its gateway, as tenant ``default``,
+    found under ``--home``); parse its --json output."""
+    env = {**os.environ, "MARLAAS_NATS_URL": "", "MARLAAS_URL": "", "MARLAAS_TOKEN": "",
+           "MARLAAS_HOME": str(stack.home)}
     proc = subprocess.run(
         [sys.executable, "-m", "marlaas.cli", "--home", str(stack.home), *args, "--json"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "MARLAAS_NATS_URL": ""},
+        capture_output=True, text=True, timeout=120, env=env,
     )
     return proc.returncode, json.loads(proc.stdout)
 
@@ -211,6 +214,9 @@ def test_cli_json_shapes(stack, tmp_path):
     assert view["state"] == "completed" and view["version"] == 2 and view["steps"] == 2
     assert len(view["rewards"]) == 2 and all(0.0 <= r <= 1.0 for r in view["rewards"])
     assert view["ttfs_s"] > 0 and view["tpts_s"] > 0
+
+    code, listed = cli(stack, "list")
+    assert code == 0 and job in [j["id"] for j in listed["jobs"]]
 
     code, flags = cli(stack, "submit", "--task", "addition", "--steps", "1", "--name", "flags", "--seed", "3")
     assert code == 0 and flags["id"].startswith("default.flags-")

@@ -96,6 +96,24 @@ def test_exists_list_delete(store):
     assert store.list() == keys[1:]
 
 
+def test_delete_prefix_removes_one_job_s_folder_and_nothing_beside_it(store):
+    keys = ["adapters/acme.j1/v000001/a1/adapter_config.json", "adapters/acme.j1/v000001/a1/adapter_model.safetensors",
+            "adapters/acme.j1/v000002/b2/adapter_model.safetensors", "adapters/acme.j10/v000001/c3/adapter_model.safetensors",
+            "optimizer/acme.j1/v000001/d4/adamw.pt"]
+    for key in keys:
+        store.put_bytes(key, key.encode())
+
+    assert store.delete_prefix("adapters/acme.j1/") == 3
+    assert store.list() == keys[3:]  # acme.j10 shares the text prefix, not the folder
+    assert store.delete_prefix("adapters/acme.j1/") == 0
+    for everything in ("", "/"):
+        with pytest.raises(ValueError, match="non-empty prefix"):
+            store.delete_prefix(everything)
+    assert store.list() == keys[3:]
+    if isinstance(store, FileStore):  # no empty folders left behind either
+        assert not (store.root / "adapters" / "acme.j1").exists()
+
+
 def test_missing_key_raises_object_not_found(store, tmp_path):
     with pytest.raises(ObjectNotFound, match="acme.j1/v7/adapter"):
         store.get_bytes("acme.j1/v7/adapter")

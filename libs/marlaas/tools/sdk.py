@@ -31,6 +31,7 @@ import contextlib
 import inspect
 import math
 import numbers
+import os
 import re
 import signal
 import time
@@ -39,6 +40,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import msgspec
+import nats
 import structlog
 
 from marlaas.bus import Bus
@@ -53,6 +55,7 @@ from marlaas.events import (
     ToolSpec,
     encode,
 )
+from marlaas.natsauth import inbox_prefix, redact_url, url_with_credentials
 from marlaas.tools.registry import (
     BUILTIN,
     check_namespace,
@@ -350,18 +353,82 @@ async def answer_reward_request(function: RewardFunction, data: bytes) -> Reward
 # --- serve ----------------------------------------------------------------------------------
 
 
-def _default_nats_url() -> str:
-    from marlaas.config import load_config
-    from marlaas.launcher import running_nats_url
+def broker_url(tenant: str, nats_url: str | None = None, token: str | None = None) -> str:
+    """The URL, with credentials, that ``tenant``'s process connects to the broker with.
 
-    return running_nats_url(load_config())  # MARLAAS_NATS_URL, else the running `marlaas up`
+    ``token`` (else ``$MARLAAS_TOKEN``) is the tenant's API token, which is also its NATS
+    password (the user is the tenant). ``nats_url`` defaults to ``$MARLAAS_NATS_URL``, else the
+    broker of a running ``marlaas up``; there, tenant ``default`` finds its token in
+    ``<home>/run/default-tenant.token`` and any other tenant must give its own. Without a
+    token, a URL given explicitly is used with whatever credentials it carries.
+    """
+    from marlaas.tenants import tenant_of_token
+
+    token = token or os.environ.get("MARLAAS_TOKEN") or None
+    if not nats_url:
+        from marlaas.config import load_config
+        from marlaas.launcher import default_tenant_token, running_nats_url
+
+        config = load_config()
+        nats_url = running_nats_url(config)  # MARLAAS_NATS_URL, else the running `marlaas up`
+        if token is None and not config.nats_url:  # the embedded broker: never its services' URL
+            token = default_tenant_token(config) if tenant == "default" else None
+            if token is None:
+                raise ValueError(f"serving as tenant {tenant!r} needs its token: pass token= or set "
+                                 f"MARLAAS_TOKEN (`marlaas tenant add {tenant}` prints one)")
+    if token is None:
+        return nats_url
+    if tenant_of_token(token) != tenant:
+        raise ValueError(f"that token is not tenant {tenant!r}'s (tokens look like mlt_{tenant}_...)")
+    return url_with_credentials(nats_url, tenant, token)
+
+
+REFUSED_GIVE_UP_S = 15.0  # a broker reload can refuse a known user for a moment; a revoked one, forever
+
+
+async def _connect(url: str, tenant: str, stop: asyncio.Event) -> Bus:
+    """Connect as ``tenant`` (replies on its own inbox prefix); set ``stop`` once the broker has
+    refused the credentials for :data:`REFUSED_GIVE_UP_S` (a revoked token)."""
+    refused_since: list[float] = []
+    refused_at_first = asyncio.get_running_loop().create_future()
+
+    async def on_error(exc: Exception) -> None:
+        # permission violations reach the client only here (a refused publish just times out)
+        if "authorization violation" not in str(exc).lower():
+            log.warning("nats error", error=str(exc), tenant=tenant)
+            return
+        if not refused_at_first.done():
+            refused_at_first.set_result(str(exc))
+        refused_since[:] = refused_since or [time.monotonic()]
+        if time.monotonic() - refused_since[0] > REFUSED_GIVE_UP_S and not stop.is_set():
+            log.error("the broker refuses this tenant's token (revoked?); stopping", tenant=tenant)
+            stop.set()
+
+    async def on_reconnected() -> None:
+        refused_since.clear()
+
+    connecting = asyncio.ensure_future(nats.connect(
+        servers=[url], name=f"tools-{tenant}", inbox_prefix=inbox_prefix(tenant),
+        allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=0.25,
+        connect_timeout=2, error_cb=on_error, reconnected_cb=on_reconnected,
+    ))
+    await asyncio.wait([connecting, refused_at_first], timeout=10.0,
+                       return_when=asyncio.FIRST_COMPLETED)
+    if not connecting.done() or connecting.exception() is not None:
+        connecting.cancel()  # nats-py would retry a refused login for ever
+        why = refused_at_first.result() if refused_at_first.done() else "nothing answers"
+        raise ConnectionError(f"cannot connect to NATS at {redact_url(url)} as {tenant!r}: {why} "
+                              "(is marlaas up? is the token right?)")
+    return Bus(connecting.result())
 
 
 async def serve_async(*functions: Tool | RewardFunction | Callable, tenant: str,
-                      nats_url: str | None = None, stop: asyncio.Event | None = None) -> None:
+                      nats_url: str | None = None, stop: asyncio.Event | None = None,
+                      token: str | None = None) -> None:
     """Serve tools and rewards as ``tenant`` until ``stop`` is set (by default: SIGINT / SIGTERM).
 
     A plain function is served as ``tool(function)``. In-flight calls finish before it returns.
+    ``token`` and ``nats_url``: see :func:`broker_url`.
     """
     check_namespace(tenant)
     if tenant == BUILTIN:
@@ -371,7 +438,7 @@ async def serve_async(*functions: Tool | RewardFunction | Callable, tenant: str,
     rewards = [f for f in functions if isinstance(f, RewardFunction)]
     if not tools and not rewards:
         raise ValueError("serve() needs at least one @tool or @reward function")
-    url = nats_url or _default_nats_url()
+    url = broker_url(tenant, nats_url, token)
     loop = asyncio.get_running_loop()
     signals = []
     if stop is None:
@@ -389,7 +456,7 @@ async def serve_async(*functions: Tool | RewardFunction | Callable, tenant: str,
 
 async def _serve_until(stop: asyncio.Event, url: str, tenant: str, tools: list[Tool],
                        rewards: list[RewardFunction]) -> None:
-    bus = await Bus.connect(url, name=f"tools-{tenant}", timeout_s=10.0)
+    bus = await _connect(url, tenant, stop)
     served, reward_subscriptions = None, []
     try:
         for function in rewards:
@@ -402,7 +469,7 @@ async def _serve_until(stop: asyncio.Event, url: str, tenant: str, tools: list[T
             served = await serve_tools(bus, tools, tenant)
         await bus.nc.flush()
         log.info("serving", tenant=tenant, tools=[t.name for t in tools],
-                 rewards=[r.name for r in rewards], nats=url)
+                 rewards=[r.name for r in rewards], nats=redact_url(url))
         await stop.wait()
     finally:
         if served is not None:
@@ -415,12 +482,13 @@ async def _serve_until(stop: asyncio.Event, url: str, tenant: str, tools: list[T
 
 
 def serve(*functions: Tool | RewardFunction | Callable, tenant: str,
-          nats_url: str | None = None) -> None:
+          nats_url: str | None = None, token: str | None = None) -> None:
     """Serve tools and rewards as ``tenant`` until SIGINT / SIGTERM (blocking).
 
-    ``nats_url`` defaults to ``MARLAAS_NATS_URL``, else the broker of a running ``marlaas up``.
+    ``token`` defaults to ``MARLAAS_TOKEN``; ``nats_url`` to ``MARLAAS_NATS_URL``, else the
+    broker of a running ``marlaas up`` (see :func:`broker_url`).
     """
     from marlaas.logs import setup_logging
 
     setup_logging(f"tools-{tenant}")
-    asyncio.run(serve_async(*functions, tenant=tenant, nats_url=nats_url))
+    asyncio.run(serve_async(*functions, tenant=tenant, nats_url=nats_url, token=token))

@@ -1,0 +1,224 @@
+"""``marlaas tenant``: add, list and revoke tenants; the broker's users follow.
+
+The ``tenants`` KV bucket is the source of truth. Each command that changes it then
+re-renders the broker's ``auth.conf`` from it (:func:`marlaas.tenants.write_broker_auth`),
+validates the file with ``nats-server -t`` and reloads the server with SIGHUP: a new tenant
+can connect at once, a revoked one is cut off, nothing restarts. The commands connect as the
+``services`` user (the URL of a running ``marlaas up``, or ``MARLAAS_NATS_URL``) and run where
+the broker's ``auth.conf`` is: beside ``marlaas up`` (``<home>/nats/auth.conf``, reloaded
+through its pid file), or in docker compose's ``admin`` container (``--auth-file`` /
+``MARLAAS_NATS_AUTH_FILE``; then reload the broker yourself: ``docker compose kill -s HUP nats``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from marlaas import natsauth
+from marlaas.config import Config
+
+AUTH_FILE_ENV = "MARLAAS_NATS_AUTH_FILE"
+SERVICES_PASSWORD_ENV = "MARLAAS_NATS_PASSWORD"
+
+
+def add_tenant_commands(subparsers) -> argparse.ArgumentParser:
+    """Add ``tenant add | list | revoke | sync | init-auth`` to the ``marlaas`` parser's subparsers."""
+    tenant = subparsers.add_parser("tenant", help="add, list or revoke tenants (API tokens, broker users)")
+    actions = tenant.add_subparsers(dest="tenant_command", required=True)
+
+    def action(name: str, fn, help_: str) -> argparse.ArgumentParser:
+        p = actions.add_parser(name, help=help_)
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument("--auth-file", help=f"the broker's auth.conf (default: ${AUTH_FILE_ENV}, "
+                                           "else the embedded broker's under the home dir)")
+        p.set_defaults(fn=fn)
+        return p
+
+    p = action("add", cmd_add, "add a tenant; prints its API token (shown only this once)")
+    p.add_argument("name")
+    p.add_argument("--max-jobs", type=int, default=None, help="jobs queued or running at once")
+    action("list", cmd_list, "list tenants")
+    p = action("revoke", cmd_revoke, "revoke a tenant: its token stops working, its connections drop")
+    p.add_argument("name")
+    action("sync", cmd_sync, "re-render the broker's users from the tenants bucket and reload it")
+    action("init-auth", cmd_init_auth,
+           f"before the broker starts: create auth.conf (services user only) or set its services "
+           f"password; the password comes from ${SERVICES_PASSWORD_ENV}")
+    return tenant
+
+
+# --- where the broker's auth lives ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BrokerFiles:
+    """Where the broker's users live and, for the embedded one, how to reload it."""
+
+    auth_file: Path | None  # None: not known here (nothing to render)
+    pid_file: Path | None = None  # None: reload it yourself (SIGHUP)
+    log_file: Path | None = None  # the server's log, where a reload is confirmed
+
+
+def broker_files(config: Config, auth_file: str | None) -> BrokerFiles:
+    """The broker's files: ``auth_file`` or ``$MARLAAS_NATS_AUTH_FILE`` (reloaded by the
+    operator), else the embedded broker's when no NATS URL is configured."""
+    given = auth_file or os.environ.get(AUTH_FILE_ENV)
+    if given:
+        return BrokerFiles(Path(given))
+    if config.nats_url:
+        return BrokerFiles(None)
+    nats_dir = config.home_dir / "nats"
+    pid_file = nats_dir / "nats-server.pid"
+    if not pid_file.exists():
+        return BrokerFiles(nats_dir / natsauth.AUTH_FILE)
+    return BrokerFiles(nats_dir / natsauth.AUTH_FILE, pid_file, nats_dir / "nats-server.log")
+
+
+async def _with_bus(config: Config, fn):
+    from marlaas.bus import Bus
+    from marlaas.launcher import running_nats_url
+
+    url = running_nats_url(config)
+    try:
+        bus = await Bus.connect(url, name="marlaas-admin", timeout_s=10.0)
+    except ConnectionError:
+        raise ConnectionError(f"no NATS server answers at {natsauth.redact_url(url)} "
+                              "(is marlaas up?)") from None
+    try:
+        return await fn(bus, url)
+    finally:
+        await bus.close()
+
+
+async def _sync_broker(bus, url: str, config: Config, args) -> str:
+    """Re-render and reload; return what happened: ``reloaded``, ``written`` or ``no-auth-file``."""
+    from marlaas.tenants import write_broker_auth
+
+    files = broker_files(config, args.auth_file)
+    if files.auth_file is None:
+        return "no-auth-file"
+    user, password = natsauth.url_credentials(url)
+    if user != natsauth.SERVICES_USER or not password:
+        raise natsauth.AuthConfigError(
+            f"the broker URL must carry the {natsauth.SERVICES_USER!r} user's password to render "
+            "auth.conf (nats://services:PASSWORD@host:port)")
+    reloaded = await write_broker_auth(bus, files.auth_file, password, files.pid_file, files.log_file)
+    return "reloaded" if reloaded else "written"
+
+
+def _broker_note(outcome: str) -> str:
+    return {
+        "reloaded": "the broker reloaded its users",
+        "written": "auth.conf rewritten: now reload the broker (e.g. `docker compose kill -s HUP nats`)",
+        "no-auth-file": f"the broker's users were NOT updated: pass --auth-file or set ${AUTH_FILE_ENV}, "
+                        "then run `marlaas tenant sync`",
+    }[outcome]
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj))
+
+
+# --- commands -------------------------------------------------------------------------------
+
+
+def cmd_add(args, config: Config) -> int:
+    from marlaas.tenants import DEFAULT_MAX_JOBS, add_tenant
+
+    async def go(bus, url):
+        max_jobs = DEFAULT_MAX_JOBS if args.max_jobs is None else args.max_jobs
+        record, token = await add_tenant(bus, args.name, max_jobs)
+        try:
+            outcome = await _sync_broker(bus, url, config, args)
+        except Exception as exc:  # the tenant exists now: its token must still be shown
+            return record, token, None, f"tenant {record.name!r} was added but the broker was not " \
+                                        f"updated: {exc}; fix that, then run `marlaas tenant sync`"
+        return record, token, outcome, None
+
+    record, token, outcome, error = asyncio.run(_with_bus(config, go))
+    if args.json:
+        _print_json({"tenant": record.name, "token": token, **({"error": error} if error else {})})
+    else:
+        print(token)  # alone on stdout: TOKEN=$(marlaas tenant add NAME)
+        print(f"tenant {record.name} added (max {record.max_jobs} jobs at once); the token above is "
+              f"shown only now. {_broker_note(outcome) if outcome else ''}",
+              file=sys.stderr)
+        if error:
+            print(f"error: {error}", file=sys.stderr)
+    return 2 if error else 0
+
+
+def cmd_list(args, config: Config) -> int:
+    from marlaas.tenants import list_tenants
+
+    records = asyncio.run(_with_bus(config, lambda bus, url: list_tenants(bus)))
+    rows = [{"name": r.name, "active": r.active, "max_jobs": r.max_jobs, "created_at": r.created_at,
+             "revoked_at": r.revoked_at} for r in records]
+    if args.json:
+        _print_json({"tenants": rows})
+        return 0
+    for row in rows:
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["created_at"]))
+        print(f"{row['name']:<32} {'active' if row['active'] else 'revoked':<8} "
+              f"max_jobs={row['max_jobs']:<4} created {created}")
+    return 0
+
+
+def cmd_revoke(args, config: Config) -> int:
+    from marlaas.tenants import revoke_tenant
+
+    async def go(bus, url):
+        record = await revoke_tenant(bus, args.name)
+        return record, await _sync_broker(bus, url, config, args)
+
+    record, outcome = asyncio.run(_with_bus(config, go))
+    if args.json:
+        _print_json({"tenant": record.name, "state": "revoked", "broker": outcome})
+    else:
+        print(f"tenant {record.name} revoked: its token is refused; {_broker_note(outcome)}")
+    return 0 if outcome != "no-auth-file" else 2
+
+
+def cmd_sync(args, config: Config) -> int:
+    outcome = asyncio.run(_with_bus(config, lambda bus, url: _sync_broker(bus, url, config, args)))
+    if args.json:
+        _print_json({"broker": outcome})
+    else:
+        print(_broker_note(outcome))
+    return 0 if outcome != "no-auth-file" else 2
+
+
+def cmd_init_auth(args, config: Config) -> int:
+    """Before the broker starts: make sure ``auth.conf`` exists and knows the services' password.
+
+    A first start gets the services user alone (tenants follow with ``marlaas tenant sync``
+    once the broker runs); an existing file keeps its tenants, and its services user takes
+    the password now configured (how a deployment changes it).
+    """
+    auth_file = broker_files(config, args.auth_file).auth_file
+    if auth_file is None:
+        raise ValueError(f"init-auth needs --auth-file or ${AUTH_FILE_ENV}")
+    password = os.environ.get(SERVICES_PASSWORD_ENV) or natsauth.url_credentials(config.nats_url)[1]
+    if not password:
+        raise ValueError(f"set ${SERVICES_PASSWORD_ENV} (the services user's NATS password)")
+    if auth_file.exists():
+        text = auth_file.read_text()
+        updated = natsauth.with_services_password(text, password)
+        outcome = "unchanged" if updated == text else "updated"
+        if updated != text:
+            natsauth.write_auth_conf(auth_file, updated)
+    else:
+        outcome = "created"
+        natsauth.write_auth_conf(auth_file, natsauth.render_auth(natsauth.bcrypt_hash(password), []))
+    if args.json:
+        _print_json({"auth_file": str(auth_file), "outcome": outcome})
+    else:
+        print(f"{auth_file}: {outcome}")
+    return 0

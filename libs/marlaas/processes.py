@@ -1,0 +1,54 @@
+"""No process left behind: children that die with their parent, and whole process groups stopped.
+
+Every process the embedded stack starts (nats-server, each service) runs in its own
+session, so a Ctrl-C reaches only the launcher, and with a parent-death signal, so it
+is told to stop (SIGTERM: a service drains) if the launcher dies, even by SIGKILL. A
+service's own children (vLLM's EngineCore) share its process group: stopping or killing
+a service takes its whole group with it, so a killed rollout leaves no engine behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for a child: SIGTERM it when the process that started it dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def spawn(args: list[str], **kwargs) -> subprocess.Popen:
+    """Start a child in its own session that dies with this process."""
+    return subprocess.Popen(args, start_new_session=True, preexec_fn=die_with_parent, **kwargs)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def kill_group(pgid: int, sig: int = signal.SIGKILL, wait_s: float = 10.0) -> None:
+    """Signal every process of group ``pgid`` (a service and what it started) and wait until
+    none is left."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+    deadline = time.monotonic() + wait_s
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if group_alive(pgid) and sig != signal.SIGKILL:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)

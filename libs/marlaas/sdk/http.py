@@ -1,0 +1,222 @@
+"""The HTTP SDK: a tenant's synchronous client for the gateway (``marlaas.Client``).
+
+    from marlaas import Client
+
+    client = Client.from_env()   # MARLAAS_URL / MARLAAS_TOKEN, else the local `marlaas up`
+    job = client.submit({"task": "reverse", "steps": 40})
+    for event in client.events(job):
+        print(event.event, event.data)
+    client.download(job, "adapter/")     # a PEFT directory
+
+Every refusal raises a :class:`MarlaasError` subclass carrying the server's message,
+which says what to fix.
+"""
+
+from __future__ import annotations
+
+import os
+import tarfile
+import tempfile
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import msgspec
+
+from marlaas.sdk.schema import Cancelled, Deleted, Event, JobInfo, Pinned, Submitted, VersionInfo
+
+PATH_FIELDS = ("dataset", "corpus", "eval_dataset")  # files the server reads: sent as absolute paths
+
+
+class MarlaasError(RuntimeError):
+    """The API refused a request (or could not be reached); ``message`` says what to fix."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.message, self.status = message, status
+
+
+class BadRequest(MarlaasError):
+    """The request was wrong (4xx other than below): a field, a value, a version."""
+
+
+class Unauthorized(MarlaasError):
+    """The token is missing, malformed, unknown or revoked (401)."""
+
+
+class NotFound(MarlaasError):
+    """No such job for this tenant, or no such version (404)."""
+
+
+class QuotaExceeded(MarlaasError):
+    """The tenant already has its max_jobs queued or running (429)."""
+
+
+class ServerError(MarlaasError):
+    """The gateway or the manager failed or is unavailable (5xx): retry later."""
+
+
+_BY_STATUS = {401: Unauthorized, 404: NotFound, 429: QuotaExceeded}
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.is_success:
+        return
+    try:
+        message = msgspec.json.decode(response.read()).get("error") or response.reason_phrase
+    except (msgspec.DecodeError, AttributeError):
+        message = f"HTTP {response.status_code} {response.reason_phrase}"
+    kind = _BY_STATUS.get(response.status_code) or (ServerError if response.status_code >= 500 else BadRequest)
+    raise kind(message, response.status_code)
+
+
+def read_job_file(path: str | os.PathLike) -> dict:
+    """A TOML job file as a submission; relative data paths are made absolute (the server reads them)."""
+    path = Path(path)
+    if not path.is_file():
+        raise BadRequest(f"job file {path} does not exist")
+    try:
+        job = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise BadRequest(f"job file {path} is not valid TOML: {exc}") from None
+    for key in PATH_FIELDS:
+        if isinstance(job.get(key), str):
+            job[key] = str((path.parent / Path(job[key]).expanduser()).resolve())
+    return job
+
+
+def parse_sse(lines: Iterator[str]) -> Iterator[Event]:
+    """Events from text/event-stream lines (comments and retry fields skipped)."""
+    fields: dict[str, str] = {}
+    data: list[str] = []
+    for line in lines:
+        if line == "":
+            if data or fields.get("event"):
+                payload = msgspec.json.decode("\n".join(data)) if data else {}
+                yield Event(id=fields.get("id", ""), event=fields.get("event", "message"), data=payload)
+            fields, data = {}, []
+        elif not line.startswith(":"):
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if name == "data":
+                data.append(value)
+            elif name in ("id", "event"):
+                fields[name] = value
+
+
+class Client:
+    """A tenant's handle on the HTTP API at ``url``, authenticated by ``token``."""
+
+    def __init__(self, url: str, token: str, timeout_s: float = 60.0) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s,
+                                  headers={"Authorization": f"Bearer {token}"})
+
+    @classmethod
+    def from_env(cls, home: str | os.PathLike | None = None, timeout_s: float = 60.0) -> Client:
+        """``MARLAAS_URL`` and ``MARLAAS_TOKEN``, else the local stack's: the URL in
+        ``<home>/run/gateway.url`` and the default tenant's token in
+        ``<home>/run/default-tenant.token`` (home: ``home``, else the config's)."""
+        url, token = os.environ.get("MARLAAS_URL", ""), os.environ.get("MARLAAS_TOKEN", "")
+        if not url or not token:
+            if home is None:
+                from marlaas.config import load_config
+
+                home = load_config().home_dir
+            run = Path(home).expanduser() / "run"
+            url = url or _read_marker(run / "gateway.url", "the gateway's URL")
+            token = token or _read_marker(run / "default-tenant.token", "the default tenant's token")
+        return cls(url, token, timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise ServerError(f"no answer from {self.url} ({exc}): is marlaas up?") from exc
+        _raise_for(response)
+        return response
+
+    def _get(self, path: str, type_: type, **kwargs):
+        return msgspec.json.decode(self._request("GET", path, **kwargs).content, type=type_)
+
+    def submit(self, job: dict | str | os.PathLike) -> str:
+        """Submit a job (a dict of job-file fields, or the path of a TOML job file); returns its id."""
+        body = read_job_file(job) if isinstance(job, (str, os.PathLike)) else dict(job)
+        reply = self._request("POST", "/v1/jobs", content=msgspec.json.encode(body),
+                              headers={"Content-Type": "application/json"})
+        return msgspec.json.decode(reply.content, type=Submitted).id
+
+    def jobs(self) -> list[JobInfo]:
+        """Your jobs, in submission order."""
+        return self._get("/v1/jobs", list[JobInfo])
+
+    def job(self, job: str) -> JobInfo:
+        return self._get(f"/v1/jobs/{job}", JobInfo)
+
+    def cancel(self, job: str) -> str:
+        """Cancel a queued or running job; returns its new state."""
+        return msgspec.json.decode(self._request("POST", f"/v1/jobs/{job}/cancel").content, type=Cancelled).state
+
+    def delete(self, job: str) -> int:
+        """Delete a job and all of it (cancelled first if unfinished); returns the objects removed."""
+        return msgspec.json.decode(self._request("DELETE", f"/v1/jobs/{job}").content, type=Deleted).deleted_objects
+
+    def versions(self, job: str) -> list[VersionInfo]:
+        """The job's committed versions, oldest first."""
+        return self._get(f"/v1/jobs/{job}/versions", list[VersionInfo])
+
+    def pin(self, job: str, version: int) -> list[int]:
+        """Keep ``version``'s adapter through garbage collection; returns the pinned versions."""
+        reply = self._request("POST", f"/v1/jobs/{job}/versions/{version}/pin")
+        return msgspec.json.decode(reply.content, type=Pinned).pinned
+
+    def download(self, job: str, out_dir: str | os.PathLike, version: int | None = None) -> Path:
+        """Unpack a version's adapter (latest by default) into ``out_dir``, a PEFT directory; return it."""
+        out = Path(out_dir)
+        params = {"version": version} if version is not None else None
+        with tempfile.TemporaryFile() as archive:
+            try:
+                with self._http.stream("GET", f"/v1/jobs/{job}/adapter", params=params) as response:
+                    _raise_for(response)
+                    for chunk in response.iter_bytes():
+                        archive.write(chunk)
+            except httpx.TransportError as exc:
+                raise ServerError(f"download from {self.url} failed ({exc}): retry") from exc
+            archive.seek(0)
+            out.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(fileobj=archive, mode="r:gz") as tar:
+                tar.extractall(out, filter="data")  # refuses absolute paths, links out, devices
+        return out
+
+    def events(self, job: str, last_event_id: str | None = None) -> Iterator[Event]:
+        """The job's events as they happen, from the start or after ``last_event_id``; ends after
+        the job's final state and last version. Each event's ``id`` resumes after it."""
+        headers = {"Accept": "text/event-stream"}
+        if last_event_id:
+            headers["Last-Event-ID"] = last_event_id
+        timeout = httpx.Timeout(self._http.timeout.connect, read=60.0)  # the server sends a keepalive every 15 s
+        try:
+            with self._http.stream("GET", f"/v1/jobs/{job}/events", headers=headers, timeout=timeout) as response:
+                _raise_for(response)
+                yield from parse_sse(response.iter_lines())
+        except httpx.TransportError as exc:
+            raise ServerError(f"the event stream from {self.url} broke ({exc}): resume with the last "
+                              "event's id") from exc
+
+
+def _read_marker(path: Path, what: str) -> str:
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        raise MarlaasError(f"{what} is not in {path}: start the stack with `marlaas up`, or set "
+                           "MARLAAS_URL and MARLAAS_TOKEN") from None

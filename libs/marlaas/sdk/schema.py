@@ -1,0 +1,100 @@
+"""What the HTTP API answers, as msgspec Structs: the gateway encodes them, the SDK decodes them.
+
+Readers accept fields they do not know (a newer gateway may add some); a field never
+changes type. ``JobInfo`` has every field of ``marlaas.api.JobView`` (what ``marlaas
+status --json`` printed before the HTTP API) plus the queue position, pinned versions
+and timestamps.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EvalInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """A held-out greedy score of one version (mean reward in [0, 1])."""
+
+    version: int
+    score: float
+
+
+class JobInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """One job as its tenant sees it.
+
+    ``rewards[i]`` is the mean reward of the batch trained at version ``i``; ``metrics``
+    holds per-version agent figures (``tool/*``, ``episode/*``) the same way.
+    ``queue_position`` is 1-based among all queued jobs in submission order (None unless
+    queued). ``ttfs_s`` is the time to the first trained version, ``tpts_s`` the time
+    per training step after it.
+    """
+
+    id: str
+    name: str
+    tenant: str
+    task: str
+    state: str  # queued | running | completed | failed | cancelled
+    reason: str  # why it failed or was cancelled
+    version: int  # latest committed version (-1 until admitted)
+    steps: int  # trained versions so far
+    target_steps: int
+    rewards: list[float] = []
+    ttfs_s: float | None = None
+    tpts_s: float | None = None
+    tools: list[str] = []
+    metrics: dict[str, list[float]] = {}
+    evals: list[EvalInfo] = []
+    queue_position: int | None = None
+    pinned: list[int] = []
+    submitted_at: float = 0.0
+    finished_at: float | None = None
+
+
+class VersionInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """A committed policy version: when, the figures of the batch that made it, and its adapter."""
+
+    version: int
+    committed_at: float
+    metrics: dict[str, float] = {}  # e.g. reward/mean, loss, tool/calls (empty for version 0)
+    pinned: bool = False
+    adapter_sha256: str = ""
+    adapter_bytes: int = 0
+
+    @property
+    def reward(self) -> float | None:
+        return self.metrics.get("reward/mean")
+
+
+class Event(msgspec.Struct, kw_only=True, frozen=True):
+    """One server-sent event of a job: ``event`` is ``policy.committed``, ``job.state`` or ``job.eval``.
+
+    ``id`` resumes the stream after this event (``Client.events(job, last_event_id=id)``).
+    """
+
+    id: str
+    event: str
+    data: dict = {}
+
+
+class Submitted(msgspec.Struct, kw_only=True, frozen=True):
+    id: str
+
+
+class Cancelled(msgspec.Struct, kw_only=True, frozen=True):
+    id: str
+    state: str
+
+
+class Deleted(msgspec.Struct, kw_only=True, frozen=True):
+    id: str
+    deleted_objects: int = 0
+
+
+class Pinned(msgspec.Struct, kw_only=True, frozen=True):
+    id: str
+    pinned: list[int] = []
+
+
+class ErrorBody(msgspec.Struct, kw_only=True, frozen=True):
+    """Every error answer: what was wrong and how to fix it."""
+
+    error: str

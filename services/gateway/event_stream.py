@@ -1,0 +1,135 @@
+"""A job's server-sent events: its committed versions, state changes and held-out scores, live.
+
+Two JetStream ordered consumers, one per stream (POLICY ``marlaas.policy.committed.<job>``
+and JOBS ``marlaas.job.*.<job>``), feed one queue. Each event's id is
+``<policy_seq>-<jobs_seq>``: the stream sequence of the last message taken from each
+stream when the event was sent. Resuming from an id starts each consumer just past its
+half, so nothing is lost or repeated whatever the interleaving was.
+
+The stream ends once the job is finished and every event of it is sent: its final state,
+its last version, and (for a completed job that evaluates) its last version's score,
+which rollout sends just after completion (waited for up to ``EVAL_GRACE_S``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+import structlog
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from marlaas.bus import Bus
+from marlaas.events import JOB, POLICY, EventDecodeError, JobEvaluated, JobState, JobStateChanged, PolicyCommitted
+from services.gateway.reads import job_record, last_sequence, policy_subject
+
+log = structlog.get_logger("gateway")
+KEEPALIVE_S = 15.0
+CHECK_EVERY_S = 2.0  # while idle, look whether the job ended (e.g. deleted, or its eval grace ran out)
+EVAL_GRACE_S = 60.0
+_EVENT_ID = re.compile(r"^(\d{1,19})-(\d{1,19})$")
+
+
+class BadEventId(ValueError):
+    """A Last-Event-ID this API never sent."""
+
+
+def parse_event_id(raw: str | None) -> tuple[int, int]:
+    """(policy_seq, jobs_seq) from ``<policy_seq>-<jobs_seq>``; (0, 0) = from the start."""
+    if not raw:
+        return 0, 0
+    found = _EVENT_ID.match(raw.strip())
+    if not found:
+        raise BadEventId(f"Last-Event-ID {raw!r} is not an id this API sent: give the id of the last event "
+                         "you received ('<policy_seq>-<jobs_seq>', e.g. '12-40'), or none to start over")
+    return int(found[1]), int(found[2])
+
+
+def sse(event_id: str, kind: str, data: dict) -> bytes:
+    """One event in the text/event-stream format."""
+    return f"id: {event_id}\nevent: {kind}\ndata: {msgspec.json.encode(data).decode()}\n\n".encode()
+
+
+def public_data(event) -> tuple[str, dict] | None:
+    """What a tenant sees of an event (no store URIs); None for events not shown."""
+    if isinstance(event, PolicyCommitted):
+        return "policy.committed", {"job": event.job, "version": event.version, "metrics": event.metrics,
+                                    "committed_at": event.committed_at, "adapter_sha256": event.adapter.sha256}
+    if isinstance(event, JobStateChanged):
+        return "job.state", {"job": event.job, "state": event.state.value, "reason": event.reason, "at": event.at}
+    if isinstance(event, JobEvaluated):
+        return "job.eval", {"job": event.job, "version": event.version, "score": event.score,
+                            "problems": event.problems, "at": event.at}
+    return None  # submitted (the spec is in GET /v1/jobs/{id}), failure reports (the state says why)
+
+
+async def end_positions(bus: Bus, tenant: str, job: str) -> tuple[int, int] | None:
+    """Where the job's streams end once it is finished: (last policy seq, last shown jobs seq);
+    None while more may come. A deleted job ends at once."""
+    record = await job_record(bus, tenant, job)
+    if record is None:
+        return 0, 0
+    if not record.state.finished:
+        return None
+    last_scored = any(e.version == record.version for e in record.evals)
+    if (record.state is JobState.COMPLETED and record.spec.eval_every and not last_scored
+            and time.time() - record.finished_at < EVAL_GRACE_S):
+        return None
+    jobs_end = max(await last_sequence(bus, "JOBS", f"marlaas.job.state.{job}"),
+                   await last_sequence(bus, "JOBS", f"marlaas.job.eval.{job}"))
+    return await last_sequence(bus, "POLICY", policy_subject(job)), jobs_end
+
+
+async def _follow(bus: Bus, stream: str, subject: str, after_seq: int, queue: asyncio.Queue):
+    config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after_seq + 1) \
+        if after_seq else ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+
+    async def put(msg) -> None:
+        queue.put_nowait((stream, msg))
+
+    return await bus.js.subscribe(subject, stream=stream, cb=put, ordered_consumer=True, config=config)
+
+
+async def job_events(bus: Bus, tenant: str, job: str, start: tuple[int, int]) -> AsyncIterator[bytes]:
+    """The job's events after ``start`` as SSE bytes, live, until the job's last event."""
+    queue: asyncio.Queue = asyncio.Queue()
+    policy_seq, jobs_seq = start
+    subs = [await _follow(bus, "POLICY", policy_subject(job), policy_seq, queue),
+            await _follow(bus, "JOBS", f"marlaas.job.*.{job}", jobs_seq, queue)]
+    try:
+        yield b"retry: 2000\n\n"
+        end = await end_positions(bus, tenant, job)
+        idle_since = time.monotonic()
+        while end is None or policy_seq < end[0] or jobs_seq < end[1]:
+            try:
+                stream, msg = await asyncio.wait_for(queue.get(), CHECK_EVERY_S)
+            except TimeoutError:
+                end = await end_positions(bus, tenant, job)
+                if time.monotonic() - idle_since >= KEEPALIVE_S:
+                    idle_since = time.monotonic()
+                    yield b": keepalive\n\n"
+                continue
+            seq = msg.metadata.sequence.stream
+            if stream == "POLICY":
+                policy_seq = seq
+            else:
+                jobs_seq = seq
+            try:
+                event = (POLICY if stream == "POLICY" else JOB).decode(msg.data)
+            except EventDecodeError as exc:  # one bad message never ends a tenant's stream
+                log.warning("event skipped", job=job, stream=stream, seq=seq, error=str(exc))
+                continue
+            if isinstance(event, (JobStateChanged, JobEvaluated)):
+                end = await end_positions(bus, tenant, job)
+            shown = public_data(event)
+            if shown is not None:
+                idle_since = time.monotonic()
+                yield sse(f"{policy_seq}-{jobs_seq}", *shown)
+    finally:
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()

@@ -1,0 +1,96 @@
+"""A job submission as it arrives over HTTP: JSON or TOML bytes -> a checked submission tree.
+
+Everything a user can get wrong before the manager sees the job is caught here with a
+message that names the field and says what to do; the manager then validates the job
+against the running stack (tasks, tools, budgets) and is the one that creates it.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+
+import msgspec
+
+from marlaas import api
+
+JSON_TYPES = ("application/json", "")  # no Content-Type: read as JSON
+TOML_TYPES = ("application/toml", "text/x-toml", "text/toml")
+EXAMPLE = '{"task": "addition", "steps": 10}'
+_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
+
+
+class SubmissionRefused(ValueError):
+    """A submission the gateway refuses; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def parse_body(body: bytes, content_type: str) -> dict:
+    """The submission tree from a request body; JSON unless the Content-Type says TOML."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    if not body.strip():
+        raise SubmissionRefused(400, f"the request body is empty: send the job as JSON, e.g. {EXAMPLE}, "
+                                     "or as TOML with Content-Type: application/toml")
+    if media in TOML_TYPES:
+        try:
+            return tomllib.loads(body.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise SubmissionRefused(400, "the TOML body is not UTF-8 text: save the job file as UTF-8") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SubmissionRefused(400, f"the body is not valid TOML ({exc}): fix the job file at that "
+                                         "line and column") from None
+    if media in JSON_TYPES or media.endswith("+json"):
+        try:
+            tree = msgspec.json.decode(body)
+        except msgspec.DecodeError as exc:
+            raise SubmissionRefused(400, f"the body is not valid JSON ({exc}): send one JSON object, "
+                                         f"e.g. {EXAMPLE}") from None
+        if not isinstance(tree, dict):
+            raise SubmissionRefused(400, f"the job must be a JSON object of fields, e.g. {EXAMPLE}; "
+                                         f"got a {type(tree).__name__}")
+        return tree
+    raise SubmissionRefused(415, f"Content-Type {media!r} is not accepted for a job: send application/json "
+                                 "or application/toml")
+
+
+def check_submission(tree: dict, tenant: str) -> dict:
+    """Put the token's tenant into the tree and check its fields and types; return the tree.
+
+    A body naming another tenant is refused (403): the tenant of a job is its token's.
+    """
+    named = tree.get("tenant")
+    if named is not None and named != tenant:
+        raise SubmissionRefused(403, f"field 'tenant' is {named!r}, but this token belongs to tenant {tenant!r}: "
+                                     "drop 'tenant' (jobs always go to the token's tenant) or use that "
+                                     "tenant's token")
+    tree = {**tree, "tenant": tenant}
+    try:
+        api.parse_submission(tree)
+    except api.SubmitError as exc:
+        raise SubmissionRefused(400, explain(exc)) from None
+    return tree
+
+
+def explain(exc: api.SubmitError) -> str:
+    """A submission error as a message naming the field and the fix."""
+    cause = exc.__cause__
+    if not isinstance(cause, msgspec.ValidationError):
+        message = str(exc)
+        if message.startswith("unknown field"):
+            message += " (remove it, or correct its spelling)"
+        return message
+    text = str(cause)
+    missing = _MISSING.search(text)
+    parts = _AT.match(text)
+    where = (parts["path"] or "").lstrip(".") if parts else ""
+    if missing:
+        field = f"{where}.{missing['field']}" if where else missing["field"]
+        return f"missing required field '{field}': every job needs 'task' and 'steps', e.g. {EXAMPLE}"
+    what = (parts["what"] if parts else text).replace("`", "")
+    if not where:
+        return f"invalid job: {what}; send an object of fields, e.g. {EXAMPLE}"
+    return f"field '{where}': {what[:1].lower()}{what[1:]}; give '{where}' a value of that type"

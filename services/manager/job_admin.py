@@ -1,0 +1,133 @@
+"""The manager's tenant-facing job administration: quotas, pinning versions, deleting a job.
+
+The manager stays the only writer of job records, so these run here (``marlaas.api.pin``,
+``marlaas.api.delete``) and not in the gateway; the quota is checked here too, inside the
+manager's submission lock, so gateway replicas cannot race past it.
+
+Deleting a job removes everything of it: the job record and ``versions`` entry (with
+their history), its adapters, optimizer states and trajectory blobs in the object
+store, and its messages in the JOBS, POLICY, TRAJ and METRICS streams. An unfinished job
+is cancelled first; work already in flight for it (a trainer's update, a rollout batch)
+may still write an object or two after that, so the same sweep runs again a little later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import msgspec
+import structlog
+
+from marlaas import api
+from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
+from marlaas.events import JOB_RECORD, JobRecord, JobState
+from marlaas.store import ObjectStore
+from marlaas.tenants import get_tenant
+
+if TYPE_CHECKING:
+    from services.manager.service import Manager
+
+log = structlog.get_logger("manager")
+OBJECT_KINDS = ("adapters", "optimizer", "trajectories")  # <kind>/<job>/... in the object store
+RESWEEP_AFTER_S = (5.0, 30.0)  # in-flight work of a just-cancelled job may still land a write
+
+
+def job_subjects(job: str) -> tuple[tuple[str, str], ...]:
+    """(stream, subject) of every message the system keeps about ``job``."""
+    return (("JOBS", f"marlaas.job.*.{job}"), ("POLICY", f"marlaas.policy.committed.{job}"),
+            ("TRAJ", f"marlaas.trajectory.ready.{job}"), ("METRICS", f"marlaas.span.{job}"))
+
+
+async def read_record(bus: Bus, job: str, tenant: str = "") -> JobRecord | None:
+    """The job's record; None when missing or (with ``tenant``) owned by another tenant."""
+    entry = await bus.kv_get(JOBS_BUCKET, job)
+    record = JOB_RECORD.decode(entry.value) if entry else None
+    if record is None or (tenant and record.spec.tenant != tenant):
+        return None
+    return record
+
+
+def no_job(job: str) -> str:
+    return f"no job {job!r}; `marlaas list` shows your jobs"
+
+
+async def quota_refusal(bus: Bus, tenant: str) -> str:
+    """Why ``tenant`` may not add a job now ("" = it may): it has ``max_jobs`` queued or running.
+
+    A tenant without a record (jobs submitted straight over NATS by internal tools) is not limited.
+    """
+    record = await get_tenant(bus, tenant)
+    if record is None:
+        return ""
+    unfinished = 0
+    for key in await bus.kv_keys(JOBS_BUCKET):
+        if key.startswith(f"{tenant}."):
+            job = await read_record(bus, key, tenant)
+            unfinished += job is not None and not job.state.finished
+    if unfinished < record.max_jobs:
+        return ""
+    return (f"tenant {tenant!r} already has {unfinished} jobs queued or running, its quota (max_jobs = "
+            f"{record.max_jobs}): wait for one to finish or cancel one (`marlaas cancel JOB`), then submit again")
+
+
+async def pin_version(manager: Manager, data: bytes) -> api.PinReply:
+    """Record ``version`` as pinned in the job record (sorted, each once)."""
+    request = msgspec.json.decode(data, type=api.PinRequest)
+    record = await read_record(manager.bus, request.job, request.tenant)
+    if record is None:
+        return api.PinReply(error=no_job(request.job), code=api.NOT_FOUND)
+    if not 0 <= request.version <= record.version:
+        have = f"versions 0..{record.version}" if record.version >= 0 else "no committed version yet"
+        return api.PinReply(id=request.job, code=api.INVALID,
+                            error=f"version {request.version} of {request.job} is not committed (it has {have}): "
+                                  "pin a committed version")
+
+    def change(r: JobRecord) -> JobRecord | None:
+        return None if request.version in r.pinned else msgspec.structs.replace(
+            r, pinned=sorted({*r.pinned, request.version}))
+
+    new = await manager.update(request.job, change)
+    pinned = new.pinned if new is not None else sorted({*record.pinned, request.version})
+    log.info("version pinned", job=request.job, version=request.version)
+    return api.PinReply(id=request.job, pinned=pinned)
+
+
+async def delete_job(manager: Manager, data: bytes) -> api.DeleteReply:
+    """Cancel the job if unfinished, then remove all of it (and sweep again a little later)."""
+    request = msgspec.json.decode(data, type=api.DeleteRequest)
+    record = await read_record(manager.bus, request.job, request.tenant)
+    if record is None:
+        return api.DeleteReply(error=no_job(request.job), code=api.NOT_FOUND)
+    if not record.state.finished:
+        await manager.transition(request.job, JobState.CANCELLED, "deleted by user")
+    async with manager.admission_lock:  # an admission pass in progress must not commit v0 after this
+        deleted = await remove_job_data(manager.bus, manager.store, request.job)
+    log.info("job deleted", job=request.job, objects=deleted)
+    manager.in_background(resweep(manager.bus, manager.store, request.job))
+    return api.DeleteReply(id=request.job, deleted_objects=deleted)
+
+
+async def remove_job_data(bus: Bus, store: ObjectStore, job: str) -> int:
+    """Remove the job's KV entries, stream messages and objects; return how many objects there were."""
+    await bus.kv_delete(JOBS_BUCKET, job)
+    await bus.kv_delete(VERSIONS_BUCKET, job)
+    for stream, subject in job_subjects(job):
+        await bus.purge(stream, subject)
+    deleted = 0
+    for kind in OBJECT_KINDS:
+        deleted += await asyncio.to_thread(store.delete_prefix, f"{kind}/{job}/")
+    return deleted
+
+
+async def resweep(bus: Bus, store: ObjectStore, job: str) -> None:
+    """Remove what in-flight work of a deleted job wrote after the deletion."""
+    for delay in RESWEEP_AFTER_S:
+        await asyncio.sleep(delay)
+        try:
+            late = await remove_job_data(bus, store, job)
+        except Exception:  # the next sweep (or a later garbage collection) gets it
+            log.exception("sweep after delete failed", job=job)
+            continue
+        if late:
+            log.info("removed objects a deleted job's in-flight work wrote late", job=job, objects=late)

@@ -1,0 +1,119 @@
+"""The gateway's and the HTTP SDK's pure parts: bodies, error messages, event ids, SSE, archives."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import pytest
+
+from marlaas.events import JobRecord, JobSpec, JobState
+from marlaas.report import step_times
+from marlaas.sdk.http import parse_sse
+from marlaas.sdk.schema import VersionInfo
+from services.gateway.event_stream import BadEventId, parse_event_id, sse
+from services.gateway.reads import job_info, owned_job_id, queue_positions
+from services.gateway.submission import SubmissionRefused, check_submission, parse_body
+from services.gateway.views import adapter_archive, version_number
+
+
+def record(job: str, state: JobState, submitted_at: float) -> JobRecord:
+    tenant = job.split(".")[0]
+    return JobRecord(spec=JobSpec(id=job, tenant=tenant, name="n", task="addition", steps=3,
+                                  submitted_at=submitted_at), state=state)
+
+
+def test_queue_positions_count_queued_jobs_of_every_tenant_in_submission_order():
+    records = [record("b.x", JobState.QUEUED, 3.0), record("a.y", JobState.RUNNING, 1.0),
+               record("a.z", JobState.QUEUED, 2.0), record("c.w", JobState.COMPLETED, 0.5)]
+    assert queue_positions(records) == {"a.z": 1, "b.x": 2}
+    assert job_info(records[0], 2).queue_position == 2
+    assert job_info(records[1], 7).queue_position is None  # only a queued job has a position
+
+
+@pytest.mark.parametrize("job, ok", [("alice.job-1a2b3c", True), ("bob.job-1a2b3c", False), ("alice", False),
+                                     ("alice.>", False), ("alice.*", False), ("alice..x", False),
+                                     ("alice.a.b", False), ("Alice.x", False)])
+def test_only_well_formed_ids_of_the_tenant_are_looked_up(job, ok):
+    assert owned_job_id("alice", job) is ok
+
+
+def test_bodies_are_json_or_toml_and_the_tenant_is_the_token_s():
+    assert parse_body(b'{"task": "addition", "steps": 2}', "application/json; charset=utf-8") == \
+        {"task": "addition", "steps": 2}
+    assert parse_body(b'task = "addition"\nsteps = 2\n', "application/toml") == {"task": "addition", "steps": 2}
+    assert parse_body(b'{"task": "a", "steps": 1}', "") == {"task": "a", "steps": 1}  # no type: JSON
+    assert check_submission({"task": "addition", "steps": 2}, "alice")["tenant"] == "alice"
+    assert check_submission({"task": "addition", "steps": 2, "tenant": "alice"}, "alice")["tenant"] == "alice"
+    with pytest.raises(SubmissionRefused, match="field 'tenant' is 'bob'") as refused:
+        check_submission({"task": "addition", "steps": 2, "tenant": "bob"}, "alice")
+    assert refused.value.status == 403
+
+
+@pytest.mark.parametrize("tree, says", [
+    ({"task": "addition", "steps": "x"}, "field 'steps': expected int, got str; give 'steps' a value"),
+    ({"task": "addition", "steps": 2, "grpo": {"group_size": 1.5}}, "field 'grpo.group_size': expected int"),
+    ({"task": "addition", "steps": 2, "lora": {"target_modules": [1]}}, r"field 'lora.target_modules\[0\]'"),
+    ({"task": "addition"}, "missing required field 'steps'"),
+    ({"task": "addition", "steps": 2, "sed": 1}, "unknown field 'sed'; known fields: .* correct its spelling"),
+])
+def test_submission_errors_name_the_field_and_the_fix(tree, says):
+    with pytest.raises(SubmissionRefused, match=says):
+        check_submission(tree, "alice")
+
+
+def test_event_ids_round_trip_and_bad_ones_say_what_to_send():
+    assert parse_event_id(None) == (0, 0) and parse_event_id("12-40") == (12, 40)
+    for bad in ("12", "a-b", "-1-2", "1-2-3", "1" * 30 + "-1"):
+        with pytest.raises(BadEventId, match="start over"):
+            parse_event_id(bad)
+    text = (b"retry: 2000\n\n" + sse("3-7", "job.state", {"state": "running"}) + b": keepalive\n\n"
+            + sse("4-7", "policy.committed", {"version": 1}))
+    events = list(parse_sse(iter(text.decode().split("\n"))))
+    assert [(e.id, e.event, e.data) for e in events] == [("3-7", "job.state", {"state": "running"}),
+                                                          ("4-7", "policy.committed", {"version": 1})]
+
+
+def test_version_parameters_must_be_whole_numbers():
+    assert version_number("3", "v") == 3
+    for bad in ("-1", "1.5", "abc", "", " ", "9" * 30):
+        with pytest.raises(Exception, match="whole number"):
+            version_number(bad, "v")
+
+
+def test_the_adapter_archive_holds_the_two_peft_files_at_its_root():
+    data = adapter_archive(b'{"r": 8}', b"weights", 1.0)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        assert {m.name: tar.extractfile(m).read() for m in tar.getmembers()} == {
+            "adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"weights"}
+
+
+def test_step_times_are_gaps_between_commits():
+    versions = [VersionInfo(version=v, committed_at=t) for v, t in ((0, 10.0), (1, 12.0), (2, 12.5))]
+    assert step_times(versions) == [(1, 2.0), (2, 0.5)]
+
+
+def test_a_job_file_s_data_paths_are_sent_absolute(tmp_path):
+    from marlaas.sdk.http import read_job_file
+
+    (tmp_path / "job.toml").write_text('task = "gsm8k"\nsteps = 2\ndataset = "data/train.jsonl"\n')
+    job = read_job_file(tmp_path / "job.toml")
+    assert job == {"task": "gsm8k", "steps": 2, "dataset": str(tmp_path / "data" / "train.jsonl")}
+
+
+def test_from_env_says_how_to_reach_a_stack(tmp_path, monkeypatch):
+    from marlaas.sdk import Client, MarlaasError
+
+    monkeypatch.delenv("MARLAAS_URL", raising=False)
+    monkeypatch.delenv("MARLAAS_TOKEN", raising=False)
+    with pytest.raises(MarlaasError, match="marlaas up.*MARLAAS_URL"):
+        Client.from_env(home=tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "gateway.url").write_text("http://127.0.0.1:1\n")
+    (tmp_path / "run" / "default-tenant.token").write_text("mlt_default_x\n")
+    with Client.from_env(home=tmp_path) as client:
+        assert client.url == "http://127.0.0.1:1"
+    monkeypatch.setenv("MARLAAS_URL", "http://example.invalid:9")
+    monkeypatch.setenv("MARLAAS_TOKEN", "mlt_a_b")
+    with Client.from_env(home=tmp_path / "nowhere") as client:
+        assert client.url == "http://example.invalid:9"
