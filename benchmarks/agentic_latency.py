@@ -75,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     console = Console(width=140)
     home = Path(tempfile.mkdtemp(prefix="marlaas-agentic-"))
-    config = load_config(overrides={"home": str(home), "rollout.block_size": 32,
+    config = load_config(overrides={"home": str(home), "gateway.port": 0, "rollout.block_size": 32,
                                     "env.tool_latency_s": {"calculator": args.latency}}, env={})
     try:
         with console.status("starting the stack..."), Stack(config) as stack:

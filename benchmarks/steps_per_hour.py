@@ -78,7 +78,7 @@ async def measure(url: str, n_jobs: int, steps: int, label: str) -> dict:
 
 def run_stack(schedule: str, plans: list[tuple[int, str]], steps: int) -> list[dict]:
     home = Path(tempfile.mkdtemp(prefix="marlaas-bench-"))
-    config = load_config(overrides={"home": str(home), "manager.schedule": schedule}, env={})
+    config = load_config(overrides={"home": str(home), "gateway.port": 0, "manager.schedule": schedule}, env={})
     try:
         with Stack(config) as stack:
             return [asyncio.run(measure(stack.nats_url, n, steps, label)) for n, label in plans]

@@ -37,6 +37,7 @@ log = structlog.get_logger("marlaas.launcher")
 SERVICES = ("manager", "gateway", "env", "trainer", "rollout")
 DEFAULT_TENANT = "default"
 DEFAULT_TOKEN_FILE = "default-tenant.token"
+DEFAULT_TENANT_MAX_JOBS = 64
 
 
 def write_private(path: Path, text: str) -> None:
@@ -256,8 +257,8 @@ async def ensure_default_tenant(bus, token_file: Path) -> None:
     from marlaas import tenants
 
     record = await tenants.get_tenant(bus, DEFAULT_TENANT)
-    if record is None:
-        _, token = await tenants.add_tenant(bus, DEFAULT_TENANT)
+    if record is None:  # the machine's own user: a quota that a benchmark's sweep fits in
+        _, token = await tenants.add_tenant(bus, DEFAULT_TENANT, max_jobs=DEFAULT_TENANT_MAX_JOBS)
     elif not record.active:
         log.warning("tenant default was revoked; not recreating it")
         token_file.unlink(missing_ok=True)

@@ -28,7 +28,7 @@ TOOL_SCRIPT = Path(__file__).parent / "tools" / "acme_calculator.py"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     # 32-token KV blocks: only full blocks are prefix-cached, and these episodes are ~100 tokens
-    config = load_config(overrides={"home": str(tmp_path_factory.mktemp("agentic-home")),
+    config = load_config(overrides={"home": str(tmp_path_factory.mktemp("agentic-home")), "gateway.port": 0,
                                     "rollout.block_size": 32, "rollout.tool_timeout_s": 1.5}, env={})
     with Stack(config) as running:
         yield running

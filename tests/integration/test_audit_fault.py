@@ -19,7 +19,7 @@ STEPS = 4
 
 @pytest.mark.timeout(600)
 def test_an_engine_serving_a_wrong_adapter_fails_the_audit(tmp_path):
-    config = load_config(overrides={"home": str(tmp_path)}, env={})
+    config = load_config(overrides={"home": str(tmp_path), "gateway.port": 0}, env={})
     with Stack(config, child_env={"MARLAAS_FAULT_STALE_ADAPTER": "1"}) as stack:
 
         async def go():

@@ -39,7 +39,7 @@ JOBS = [
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    config = load_config(overrides={"home": str(tmp_path_factory.mktemp("marlaas-home"))}, env={})
+    config = load_config(overrides={"home": str(tmp_path_factory.mktemp("marlaas-home")), "gateway.port": 0}, env={})
     with Stack(config) as running:
         yield running
 

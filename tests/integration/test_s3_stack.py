@@ -14,7 +14,7 @@ from marlaas.store import S3Store
 
 @pytest.mark.timeout(400)
 def test_a_job_commits_its_versions_to_the_s3_store(tmp_path, s3_server):
-    config = load_config(overrides={"home": str(tmp_path), "store_url": "s3://marlaas/run1"}, env={})
+    config = load_config(overrides={"home": str(tmp_path), "gateway.port": 0, "store_url": "s3://marlaas/run1"}, env={})
 
     async def go(url: str) -> str:
         client = await Client.connect(url)
