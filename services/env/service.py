@@ -11,8 +11,9 @@ import asyncio
 
 import structlog
 
-from marlaas.events import REWARD, EventDecodeError, RewardRequest, RewardResult, encode
+from marlaas.events import RewardResult, encode
 from marlaas.runtime import Runtime
+from marlaas.tools.sdk import decode_reward_request
 from services.env.judge import JUDGE_SUBJECT, Judge
 from services.env.rewards import RewardBook
 from services.env.tools import serve_builtin_tools
@@ -24,23 +25,12 @@ def reward_subject(task: str) -> str:
     return f"marlaas.reward.{task}"
 
 
-def decode_request(data: bytes) -> RewardRequest | RewardResult:
-    """The request in ``data``, or the error result to send back when it is not one."""
-    try:
-        request = REWARD.decode(data)
-    except EventDecodeError as exc:
-        return RewardResult(error=str(exc))
-    if not isinstance(request, RewardRequest):
-        return RewardResult(error=f"expected a reward.request, got {type(request).__name__}")
-    return request
-
-
 async def run(rt: Runtime) -> None:
     book = RewardBook()
     judge = Judge(rt.config.env)
 
     async def answer(data: bytes) -> bytes:
-        request = decode_request(data)
+        request = decode_reward_request(data)
         if isinstance(request, RewardResult):
             return encode(request)
         result = await asyncio.to_thread(book.score, request)
@@ -49,7 +39,7 @@ async def run(rt: Runtime) -> None:
         return encode(result)
 
     async def answer_judge(data: bytes) -> bytes:
-        request = decode_request(data)
+        request = decode_reward_request(data)
         if isinstance(request, RewardResult):
             return encode(request)
         result = await judge.score(request)

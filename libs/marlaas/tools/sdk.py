@@ -335,14 +335,22 @@ def reward(name: str | Callable | None = None):
     return wrap
 
 
-async def answer_reward_request(function: RewardFunction, data: bytes) -> RewardResult:
-    """Answer one reward request; every fault becomes a ``RewardResult`` with ``error`` set."""
+def decode_reward_request(data: bytes) -> RewardRequest | RewardResult:
+    """The request in ``data``, or the error result to send back when it is not one."""
     try:
         request = REWARD.decode(data)
     except EventDecodeError as exc:
         return RewardResult(error=str(exc))
     if not isinstance(request, RewardRequest):
         return RewardResult(error=f"expected a reward.request, got {type(request).__name__}")
+    return request
+
+
+async def answer_reward_request(function: RewardFunction, data: bytes) -> RewardResult:
+    """Answer one reward request; every fault becomes a ``RewardResult`` with ``error`` set."""
+    request = decode_reward_request(data)
+    if isinstance(request, RewardResult):
+        return request
     try:
         return RewardResult(rewards=await function.score(request))
     except Exception as exc:  # the tenant's code: report it to the job, keep serving
