@@ -27,6 +27,7 @@ from marlaas.telemetry import UTILIZATION_JOB
 
 log = structlog.get_logger("gateway")
 TTFS_BUCKETS_S = (1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+EVAL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 TPTS_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
 RATE_WINDOW_S = 600.0
 FOLLOW_FROM_S = 3600.0
@@ -56,6 +57,8 @@ class RecordFigures:
                         [r.ttfs_s for r in self.records if r.ttfs_s is not None], TTFS_BUCKETS_S)
         yield histogram("marlaas_tpts_seconds", "Time per training step after the first, per job",
                         [r.tpts_s for r in self.records if r.tpts_s is not None], TPTS_BUCKETS_S)
+        yield histogram("marlaas_eval_score", "Each evaluated job's latest held-out score",
+                        [r.evals[-1].score for r in self.records if r.evals], EVAL_BUCKETS)
 
 
 class StackMetrics:

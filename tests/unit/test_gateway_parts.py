@@ -117,3 +117,23 @@ def test_from_env_says_how_to_reach_a_stack(tmp_path, monkeypatch):
     monkeypatch.setenv("MARLAAS_TOKEN", "mlt_a_b")
     with Client.from_env(home=tmp_path / "nowhere") as client:
         assert client.url == "http://example.invalid:9"
+
+
+def test_metrics_show_held_out_scores_without_naming_jobs():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from marlaas.events import EvalPoint, JobRecord, JobSpec
+    from services.gateway.metrics import RecordFigures
+
+    def record(job: str, evals: list[EvalPoint]) -> JobRecord:
+        spec = JobSpec(id=job, tenant=job.split(".")[0], name="x", task="addition", steps=4)
+        return JobRecord(spec=spec, evals=evals)
+
+    figures = RecordFigures()
+    figures.records = [record("acme.a-1", [EvalPoint(version=0, score=0.2), EvalPoint(version=4, score=0.85)]),
+                       record("beta.b-1", [])]
+    registry = CollectorRegistry()
+    registry.register(figures)
+    text = generate_latest(registry).decode()
+    assert "marlaas_eval_score_count 1.0" in text and 'marlaas_eval_score_bucket{le="0.9"} 1.0' in text
+    assert "acme" not in text and "beta" not in text
