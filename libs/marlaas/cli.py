@@ -365,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Ctrl-C means stop, even when a parent started us with SIGINT ignored (a shell's background
+    # job): `up` must stop its stack on it, and `watch` must end
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     args = build_parser().parse_args(argv)
     as_json = getattr(args, "json", False)
     try:

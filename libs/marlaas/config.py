@@ -46,6 +46,8 @@ class TrainerConfig(Section):
 class ManagerConfig(Section):
     kv_budget_gib: float = 1.0  # admission: estimated KV-cache bytes of running jobs must fit
     schedule: Literal["async", "sequential"] = "async"
+    # garbage collection keeps the adapters of a job's last N committed versions (and pinned ones)
+    gc_keep_last: Annotated[int, msgspec.Meta(ge=1)] = 3
 
 
 class EnvConfig(Section):

@@ -33,6 +33,7 @@ from marlaas.store import ObjectStore
 from marlaas.tasks import TaskError, get_task
 from marlaas.tools.registry import ToolNameError, read_tool, split_qualified
 from services.manager.admission import job_footprint, kv_bytes_per_token, to_admit
+from services.manager.gc import collect_job
 from services.manager.job_admin import delete_job, pin_version, quota_refusal
 
 log = structlog.get_logger("manager")
@@ -42,6 +43,7 @@ _TENANT = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 # train on), and not so flat or so sharp that float32 logprobs of engine and trainer drift apart
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 5.0
 AGENT_METRICS = ("tool/", "episode/")
+GC_EVERY = 5  # versions between garbage collections of a job's stored objects
 BUILTIN_REWARDS = ("judge",)  # served by env: an LLM judge at env.judge_url (see services/env)  # per-version figures kept in the job record, beside rewards
 
 
@@ -67,6 +69,7 @@ class Manager:
         self._admission = asyncio.Lock()
         self._submitting = asyncio.Lock()  # a tenant's quota is counted and its job created as one step
         self._background: set[asyncio.Task] = set()
+        self._collecting: set[str] = set()  # jobs with a garbage collection running
         self._waiting = True  # jobs may be queued, or the last admission pass failed
         from transformers import AutoTokenizer
 
@@ -317,6 +320,22 @@ class Manager:
             record = JOB_RECORD.decode(entry.value) if entry else None
         if record is not None and record.version >= record.spec.steps:
             await self.transition(event.job, JobState.COMPLETED)
+        # collect every few versions (each pass re-reads the job's announcements) and at the end
+        due = record is not None and (event.version % GC_EVERY == 0 or record.version >= record.spec.steps)
+        if due and event.job not in self._collecting:
+            self._collecting.add(event.job)
+            self.in_background(self.collect_garbage(event.job))
+
+    async def collect_garbage(self, job: str) -> None:
+        """Delete the job's objects no version needs (``services.manager.gc``); a failure is only logged."""
+        try:
+            deleted = await collect_job(self.bus, self.store, job, self.config.manager.gc_keep_last)
+            if deleted:
+                log.info("garbage collected", job=job, objects=deleted)
+        except Exception:
+            log.exception("garbage collection failed; the next commit retries it", job=job)
+        finally:
+            self._collecting.discard(job)
 
     async def on_job_event(self, delivery: Delivery) -> None:
         event = JOB.decode(delivery.data)

@@ -407,3 +407,22 @@ def test_a_pulled_adapter_gives_the_same_greedy_text_in_peft_and_vllm(stack, tmp
     print(f"greedy through peft: {peft}\ngreedy through vLLM: {vllm}")
     assert set(peft) == set(vllm) == set(prompts)
     assert peft == vllm
+
+
+@pytest.mark.timeout(300)
+def test_old_versions_and_orphans_are_garbage_collected(stack):
+    """After a job ends, only its last `manager.gc_keep_last` (3) adapter versions and its latest
+    optimizer state are left in the store."""
+    (view,) = wait_all(stack, [{"name": "collected", "task": "addition", "steps": 8, "seed": 14}])
+    assert view.state == "completed"
+    store = Path(stack.resolved.store_url.removeprefix("file://"))
+
+    def versions(kind: str) -> list[str]:
+        folder = store / kind / view.id
+        return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+    deadline = time.monotonic() + 60  # the last collection runs in the background after completion
+    while versions("adapters") != ["v000006", "v000007", "v000008"] or versions("optimizer") != ["v000008"]:
+        assert time.monotonic() < deadline, (versions("adapters"), versions("optimizer"))
+        time.sleep(0.5)
+    assert all(len(list((store / "adapters" / view.id / v).iterdir())) == 1 for v in versions("adapters"))

@@ -1,0 +1,138 @@
+"""Garbage collection of a job's stored objects: a pure plan and the shell that carries it out.
+
+Every attempt at writing version v of a job writes under its own prefix
+``<kind>/<job>/v<v:06d>/<attempt>/`` (``marlaas.adapters.attempt_prefix``); the
+compare-and-set on the ``versions`` entry decides which attempt *is* version v, and
+the policy-committed announcement names its adapter. So everything else is either
+history nobody needs or an orphan of a crashed or losing attempt. The plan deletes:
+
+- adapters of versions older than the last ``keep_last`` committed ones, unless pinned;
+- adapter attempts of a version ``<= latest`` that are not its committed attempt (orphans);
+  when no announcement names a version's committed attempt, all its attempts are kept;
+- optimizer states of every version ``<= latest`` except the latest committed one's
+  (the ``versions`` entry's optimizer Blob: a resumed trainer needs it);
+- trajectory batches of versions ``< latest``: trained, or off-policy and terminated.
+
+Nothing of a version ``> latest`` is ever deleted (an attempt at it may be in flight),
+nor any key the plan does not recognise. A finished job follows the same rule: its
+last ``keep_last`` versions and pinned ones stay until its tenant deletes the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass
+
+from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
+from marlaas.commits import policy_subject
+from marlaas.events import COMMITTED, JOB_RECORD, POLICY
+from marlaas.store import ObjectStore
+
+OBJECT_KINDS = ("adapters", "optimizer", "trajectories")
+_VERSION = re.compile(r"^v(\d{6,})$")
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """A parsed object key ``<kind>/<job>/v<version>/<attempt>/<file>``."""
+
+    kind: str
+    version: int
+    attempt_prefix: str  # ``<kind>/<job>/v<version>/<attempt>``, without the trailing slash
+
+
+def parse_key(key: str, job: str) -> StoredObject | None:
+    """The key's kind, version and attempt prefix; None for a key not laid out by an attempt."""
+    parts = key.split("/")
+    if len(parts) < 5 or parts[0] not in OBJECT_KINDS or parts[1] != job or not parts[3]:
+        return None
+    match = _VERSION.match(parts[2])
+    if match is None:
+        return None
+    return StoredObject(kind=parts[0], version=int(match.group(1)), attempt_prefix="/".join(parts[:4]))
+
+
+def attempt_of(key: str) -> str:
+    """The attempt prefix of an object key (its folder)."""
+    return key.rsplit("/", 1)[0]
+
+
+def plan_collection(job: str, keys: list[str], committed: dict[int, str], latest: int, keep_last: int,
+                    pinned: set[int], latest_optimizer_key: str | None) -> list[str]:
+    """The keys to delete among ``keys`` (every object under the job's three prefixes).
+
+    ``committed`` maps a version to its committed adapter attempt prefix (from the
+    announcements and the ``versions`` entry); ``latest`` is the committed version;
+    ``latest_optimizer_key`` is the ``versions`` entry's optimizer object, if any.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+    kept_optimizer = attempt_of(latest_optimizer_key) if latest_optimizer_key else None
+    doomed = []
+    for key in keys:
+        obj = parse_key(key, job)
+        if obj is None or obj.version > latest:
+            continue  # not ours to judge, or an attempt that may still be in flight
+        if obj.kind == "adapters":
+            winner = committed.get(obj.version)
+            retained = obj.version > latest - keep_last or obj.version in pinned
+            orphan = winner is not None and obj.attempt_prefix != winner
+            delete = orphan or not retained
+        elif obj.kind == "optimizer":
+            delete = obj.version < latest or obj.attempt_prefix != kept_optimizer
+        else:  # trajectories: a batch sampled at an older version is trained or was terminated
+            delete = obj.version < latest
+        if delete:
+            doomed.append(key)
+    return doomed
+
+
+async def committed_attempts(bus: Bus, store: ObjectStore, job: str) -> dict[int, str]:
+    """Each announced version's committed adapter attempt prefix."""
+    attempts = {}
+    for data in await bus.read_all("POLICY", policy_subject(job)):
+        event = POLICY.decode(data)
+        attempts[event.version] = attempt_of(store.key_of(event.adapter.uri))
+    return attempts
+
+
+async def collect_job(bus: Bus, store: ObjectStore, job: str, keep_last: int) -> int:
+    """Delete the objects of ``job`` that :func:`plan_collection` names; return how many.
+
+    The ``versions`` entry is read first, so a version committed while this runs is
+    above ``latest`` and untouched. A job without a record or committed version
+    (unknown, or being deleted) is left alone.
+    """
+    version_entry = await bus.kv_get(VERSIONS_BUCKET, job)
+    record_entry = await bus.kv_get(JOBS_BUCKET, job)
+    if version_entry is None or record_entry is None:
+        return 0
+    latest = COMMITTED.decode(version_entry.value)
+    record = JOB_RECORD.decode(record_entry.value)
+    committed = await committed_attempts(bus, store, job)
+    committed = {v: p for v, p in committed.items() if v <= latest.version}
+    committed[latest.version] = attempt_of(store.key_of(latest.adapter.uri))  # the authority
+    optimizer_key = store.key_of(latest.optimizer.uri) if latest.optimizer else None
+    keys = []
+    for kind in OBJECT_KINDS:
+        keys += await asyncio.to_thread(store.list, f"{kind}/{job}/")
+    doomed = plan_collection(job, keys, committed, latest.version, keep_last, set(record.pinned), optimizer_key)
+    return await asyncio.to_thread(_delete, store, keys, doomed)
+
+
+def _delete(store: ObjectStore, keys: list[str], doomed: list[str]) -> int:
+    """Delete ``doomed``: a whole attempt by prefix (the file store then prunes its folder)."""
+    by_attempt: dict[str, list[str]] = {}
+    for key in keys:
+        by_attempt.setdefault(attempt_of(key), []).append(key)
+    doomed_set, deleted = set(doomed), 0
+    for attempt, attempt_keys in by_attempt.items():
+        gone = [key for key in attempt_keys if key in doomed_set]
+        if gone and len(gone) == len(attempt_keys):
+            deleted += store.delete_prefix(attempt + "/")
+        else:
+            for key in gone:
+                store.delete(key)
+            deleted += len(gone)
+    return deleted
