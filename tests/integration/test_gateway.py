@@ -425,3 +425,40 @@ def test_the_cli_submits_watches_pulls_reports_and_deletes(stack, tmp_path):
     assert json.loads(marlaas(stack, "delete", job).stdout)["deleted"] is True
     gone = marlaas(stack, "status", job)
     assert gone.returncode == 2 and "no job" in json.loads(gone.stdout)["error"]
+
+
+@pytest.mark.timeout(400)
+def test_watch_renders_live_progress_on_a_terminal(stack):
+    """`marlaas watch JOB` on a pseudo-terminal: the rich view moves through the versions live
+    (version k/N, last reward, time per step, ETA) and ends when the job does."""
+    import pty
+    import re
+    import select
+
+    submitted = marlaas(stack, "submit", "--task", "addition", "--steps", "12", "--seed", "21")
+    job = json.loads(submitted.stdout)["id"]
+    env = {**os.environ, "MARLAAS_NATS_URL": "", "MARLAAS_URL": "", "MARLAAS_TOKEN": "",
+           "MARLAAS_HOME": str(stack.home), "COLUMNS": "120"}
+    main, child = pty.openpty()
+    watch = subprocess.Popen([sys.executable, "-m", "marlaas.cli", "--home", str(stack.home), "watch", job],
+                             stdin=child, stdout=child, stderr=child, env=env, close_fds=True)
+    os.close(child)
+    out, deadline = b"", time.monotonic() + 300
+    try:
+        while watch.poll() is None or select.select([main], [], [], 0.2)[0]:
+            assert time.monotonic() < deadline, out[-500:]
+            if select.select([main], [], [], 0.2)[0]:
+                try:
+                    out += os.read(main, 65536)
+                except OSError:  # the terminal closed with the process
+                    break
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+        os.close(main)
+    text = out.decode(errors="replace")
+    assert watch.wait(timeout=10) == 0
+    shown = {int(k) for k in re.findall(r"version (\d+)/12", text)}
+    assert 12 in shown and any(0 < k < 12 for k in shown), sorted(shown)  # it moved while we watched
+    assert re.search(r"time/step \d+\.\d\ds", text) and re.search(r"ETA \d+s", text)
+    assert f"{job} completed at version 12/12" in text
