@@ -151,12 +151,13 @@ async def run_episode(engine: PolicyEngine, fmt: ConversationFormat, prompt_ids:
             episode.end_reason = "context_full"
             return episode
         turn = await engine.generate(episode.ids, max_tokens=budget, temperature=temperature, lora=lora,
-                                     seed=seed(episode.turns), stop=[CALL_CLOSE])
+                                     seed=seed(episode.turns),  # a single-turn task's text is never cut at a tag
+                                     stop=[CALL_CLOSE] if limits.max_tool_calls else None)
         if episode.turns:
             episode.cached_tokens.append(turn.cached_tokens)
         episode.add_turn(turn.token_ids, turn.logprobs)
         text = fmt.tokenizer.decode(turn.token_ids, skip_special_tokens=True)  # the sampled ids, not .text
-        call = parse_call(text) if turn.finish_reason == "stop" else None
+        call = parse_call(text) if turn.finish_reason == "stop" and limits.max_tool_calls else None
         if call is None:
             episode.end_reason = "answer" if turn.finish_reason == "stop" else "length"
             return episode

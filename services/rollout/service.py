@@ -207,8 +207,7 @@ class Rollout:
                     self.episode(spec, task, ids, lora, version, i, j)
                     for i, ids in enumerate(prompt_ids) for j in range(grpo.group_size)))
                 attrs["completions"] = len(episodes)
-                attrs["tokens"] = sum(seg.ids.__len__() for e in episodes for seg in e.segments
-                                      if seg.kind == "sampled")
+                attrs["tokens"] = sum(len(seg.ids) for e in episodes for seg in e.segments if seg.kind == "sampled")
                 metrics = episode_metrics(episodes) if task.kind == "agentic" else {}
                 attrs.update(metrics)
         texts = [self.engine.tokenizer.decode(e.ids[len(e.prompt_ids):], skip_special_tokens=True)
