@@ -14,7 +14,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from marlaas.client import Client
+from marlaas.client import AdapterGone, Client
 from marlaas.config import load_config
 from marlaas.events import PolicyCommitted
 from marlaas.launcher import running_nats_url
@@ -44,7 +44,11 @@ async def main(job: str, n_problems: int) -> None:
     async for event in client.events(job):
         if isinstance(event, PolicyCommitted):
             with tempfile.TemporaryDirectory() as adapter_dir:
-                await client.pull_adapter(event, adapter_dir)
+                try:
+                    await client.pull_adapter(event, adapter_dir)
+                except AdapterGone:  # replaying an old version that garbage collection removed
+                    print(f"version {event.version}: no longer stored", flush=True)
+                    continue
                 score = evaluate(base, tokenizer, adapter_dir, task, problems)
             print(f"version {event.version}: greedy reward {score:.3f}", flush=True)
     await client.close()

@@ -24,6 +24,10 @@ class ApiError(RuntimeError):
     """The manager refused a request; the message says why."""
 
 
+class AdapterGone(ApiError):
+    """The asked-for version's adapter was garbage-collected."""
+
+
 class Client:
     """A user's handle on a running marlaas."""
 
@@ -83,9 +87,15 @@ class Client:
         if not self.store_url:
             raise ApiError("pulling adapters needs the stack's object store: Client.connect(..., store_url=...)")
         from marlaas.adapters import materialize
-        from marlaas.store import open_store
+        from marlaas.store import ObjectNotFound, open_store
 
-        return await asyncio.to_thread(materialize, open_store(self.store_url), event.adapter, Path(dest))
+        try:
+            return await asyncio.to_thread(materialize, open_store(self.store_url), event.adapter, Path(dest))
+        except ObjectNotFound as exc:
+            raise AdapterGone(
+                f"version {event.version} of {event.job} is no longer stored: garbage collection keeps a "
+                "job's last manager.gc_keep_last versions and the ones you pinned (pin a version to keep it)"
+            ) from exc
 
     async def close(self) -> None:
         await self.bus.close()

@@ -70,6 +70,7 @@ class Manager:
         self._submitting = asyncio.Lock()  # a tenant's quota is counted and its job created as one step
         self._background: set[asyncio.Task] = set()
         self._collecting: set[str] = set()  # jobs with a garbage collection running
+        self._collect_again: set[str] = set()  # ... and committed again meanwhile
         self._waiting = True  # jobs may be queued, or the last admission pass failed
         from transformers import AutoTokenizer
 
@@ -322,18 +323,26 @@ class Manager:
             await self.transition(event.job, JobState.COMPLETED)
         # collect every few versions (each pass re-reads the job's announcements) and at the end
         due = record is not None and (event.version % GC_EVERY == 0 or record.version >= record.spec.steps)
-        if due and event.job not in self._collecting:
+        if due and event.job in self._collecting:
+            self._collect_again.add(event.job)  # one more pass once the running one ends
+        elif due:
             self._collecting.add(event.job)
             self.in_background(self.collect_garbage(event.job))
 
     async def collect_garbage(self, job: str) -> None:
-        """Delete the job's objects no version needs (``services.manager.gc``); a failure is only logged."""
+        """Delete the job's objects no version needs (``services.manager.gc``); a failure is only logged.
+        Passes of one job never overlap; a commit during a pass earns one more pass after it."""
         try:
-            deleted = await collect_job(self.bus, self.store, job, self.config.manager.gc_keep_last)
-            if deleted:
-                log.info("garbage collected", job=job, objects=deleted)
-        except Exception:
-            log.exception("garbage collection failed; the next commit retries it", job=job)
+            while True:
+                self._collect_again.discard(job)
+                try:
+                    deleted = await collect_job(self.bus, self.store, job, self.config.manager.gc_keep_last)
+                    if deleted:
+                        log.info("garbage collected", job=job, objects=deleted)
+                except Exception:
+                    log.exception("garbage collection failed; the next commit retries it", job=job)
+                if job not in self._collect_again:
+                    return
         finally:
             self._collecting.discard(job)
 
