@@ -83,15 +83,14 @@ def cmd_tasks(args, config) -> int:
 
 def submission_from_args(args) -> dict:
     """Merge a TOML job file with flags (flags win); ``--set grpo.learning_rate=1e-3`` style too."""
+    from marlaas.sdk.http import PATH_FIELDS, BadRequest, read_job_file
+
     job: dict = {}
     if args.file:
-        path = Path(args.file)
-        if not path.is_file():
-            raise ValueError(f"job file {path} does not exist")
         try:
-            job = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"job file {path} is not valid TOML: {exc}") from exc
+            job = read_job_file(args.file)  # its data paths made absolute, relative to the file
+        except BadRequest as exc:
+            raise ValueError(str(exc)) from None
     for key in ("name", "task", "steps", "seed", "dataset", "corpus", "reward"):
         value = getattr(args, key)
         if value is not None:
@@ -115,10 +114,9 @@ def submission_from_args(args) -> dict:
     if missing:
         raise ValueError(f"missing {' and '.join(missing)}: give a job file or --task NAME --steps N")
     job.setdefault("name", job["task"])
-    for key in ("dataset", "corpus", "eval_dataset"):  # the manager runs elsewhere: send absolute paths
-        if job.get(key):  # (a flag's relative to here, a job file's relative to that file)
-            where = Path(args.file).parent if args.file and getattr(args, key, None) is None else Path.cwd()
-            job[key] = str((where / Path(job[key]).expanduser()).resolve())
+    for key in PATH_FIELDS:  # the manager runs elsewhere: send absolute paths (a job file's are
+        if isinstance(job.get(key), str):  # already, relative to it; flags and --set relative to here)
+            job[key] = str(Path(job[key]).expanduser().resolve())
     return job
 
 

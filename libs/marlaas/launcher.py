@@ -29,6 +29,7 @@ import msgspec
 import structlog
 
 from marlaas import natsauth
+from marlaas.natsauth import write_private
 from marlaas.config import Config, dump_config
 from marlaas.embedded_nats import EmbeddedNats
 from marlaas.processes import kill_group, spawn
@@ -38,17 +39,6 @@ SERVICES = ("manager", "gateway", "env", "trainer", "rollout")
 DEFAULT_TENANT = "default"
 DEFAULT_TOKEN_FILE = "default-tenant.token"
 DEFAULT_TENANT_MAX_JOBS = 64
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` readable by its owner only (0600), replacing it atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.unlink(missing_ok=True)
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(partial, path)
 
 
 class StackError(RuntimeError):

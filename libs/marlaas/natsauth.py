@@ -181,17 +181,24 @@ def check_auth_conf(path: Path, server_binary: str | None = None) -> None:
                               f"{(done.stderr or done.stdout).strip()}")
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (0600), replacing it atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.unlink(missing_ok=True)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(partial, path)
+
+
 def write_auth_conf(path: Path, text: str) -> bool:
     """Validate ``text`` and put it at ``path`` (mode 0600, atomically); False if unchanged."""
     path = Path(path)
     if path.exists() and path.read_text() == text:
         return False
-    path.parent.mkdir(parents=True, exist_ok=True)
     candidate = path.with_name(f".{path.name}.new")
-    candidate.unlink(missing_ok=True)
-    fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    write_private(candidate, text)
     try:
         check_auth_conf(candidate)
     except BaseException:

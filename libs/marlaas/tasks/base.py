@@ -7,7 +7,9 @@ carry at least ``prompt`` and ``answer`` and travel to the env service verbatim.
 from __future__ import annotations
 
 import abc
+import json
 import random
+from pathlib import Path
 from typing import ClassVar, Literal
 
 
@@ -77,3 +79,24 @@ def char_match(prediction: str, answer: str) -> float:
     if longest == 0:
         return 1.0
     return sum(p == a for p, a in zip(prediction, answer)) / longest
+
+
+def json_records(path: Path, what: str, error: type[Exception] = TaskError):
+    """``(line number, object)`` for each non-blank line of a JSONL file; ``error`` (a
+    :class:`TaskError` by default) names the file, the line and the fix."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise error(f"{what} {path} does not exist: give a path to a JSONL file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"{what} {path} cannot be read ({exc}): give a readable UTF-8 JSONL file") from None
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise error(f"{path}:{lineno}: not JSON ({exc.msg}); write one JSON object per line") from None
+        if not isinstance(record, dict):
+            raise error(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+        yield lineno, record

@@ -8,13 +8,12 @@ failing those, the last number written, and compares numerically.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from fractions import Fraction
 from pathlib import Path
 
-from marlaas.tasks.base import Task, TaskError
+from marlaas.tasks.base import Task, TaskError, json_records
 
 _NUMBER = r"-?\$?\s*\d[\d,]*(?:\.\d+)?(?:/\d+)?"
 _MARKERS = (
@@ -78,17 +77,9 @@ class Gsm8k(Task):
 
 def load_jsonl(path: Path) -> list[dict]:
     """Read and validate a GSM8K JSONL; errors name the file and line."""
-    if not path.is_file():
-        raise TaskError(f"dataset {path} does not exist: give a path to a JSONL file")
     items = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TaskError(f"{path}:{lineno}: not JSON ({exc.msg})") from exc
-        if not isinstance(item, dict) or not {"question", "answer"} <= item.keys():
+    for lineno, item in json_records(path, "dataset"):
+        if not {"question", "answer"} <= item.keys():
             raise TaskError(f"{path}:{lineno}: each line needs 'question' and 'answer' fields")
         reference_answer(str(item["answer"]))  # fail at submit time, not mid-run
         items.append({"question": str(item["question"]), "answer": str(item["answer"])})

@@ -23,14 +23,13 @@ prediction would match it exactly.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import string
 from collections import Counter
 from pathlib import Path
 
-from marlaas.tasks.base import Task, TaskError
+from marlaas.tasks.base import json_records, Task, TaskError
 from marlaas.tools.protocol import final_answer
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -117,30 +116,10 @@ class SearchQa(Task):
         return qa_score(extract_answer(completion), problem.get("answers") or [problem["answer"]])
 
 
-def _json_lines(path: Path, what: str):
-    """``(line number, object)`` for each non-blank line of a JSONL file; errors name file:line."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise TaskError(f"{what} {path} does not exist: give a path to a JSONL file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TaskError(f"{what} {path} cannot be read ({exc}): give a readable UTF-8 JSONL file") from None
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TaskError(f"{path}:{lineno}: not JSON ({exc.msg}); write one JSON object per line") from None
-        if not isinstance(record, dict):
-            raise TaskError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-        yield lineno, record
-
-
 def load_questions(path: Path) -> list[dict]:
     """The questions of a search-qa dataset: ``{"question": str, "answers": [str, ...]}`` each."""
     items = []
-    for lineno, record in _json_lines(path, "dataset"):
+    for lineno, record in json_records(path, "dataset"):
         question, answer = record.get("question"), record.get("answer")
         answers = answer if isinstance(answer, list) else [answer]
         if not isinstance(question, str) or not question.strip():
@@ -157,7 +136,7 @@ def load_questions(path: Path) -> list[dict]:
 def check_corpus(path: Path) -> int:
     """Check a search corpus as the search tool reads it; the number of passages."""
     count = 0
-    for lineno, record in _json_lines(path, "corpus"):
+    for lineno, record in json_records(path, "corpus"):
         if not isinstance(record.get("text"), str):
             raise TaskError(f'{path}:{lineno}: each passage needs "text", a string '
                             '(and optionally "id" and "title")')

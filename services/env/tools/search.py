@@ -15,7 +15,6 @@ size and modification time, so an edited file is indexed again.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import bm25s
+from marlaas.tasks.base import json_records
 
 logging.getLogger("bm25s").setLevel(logging.WARNING)  # bm25s sets its own logger to DEBUG
 MAX_K = 20
@@ -49,21 +49,9 @@ class Passage:
 
 def read_corpus(path: Path) -> list[Passage]:
     """The passages of a JSONL corpus (blank lines skipped); a bad line raises :class:`CorpusError`."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise CorpusError(f"search corpus {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CorpusError(f"search corpus {path} cannot be read: {exc}") from None
     passages = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise CorpusError(f"{path}:{number}: not JSON ({exc.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+    for number, record in json_records(Path(path), "search corpus", CorpusError):
+        if not isinstance(record.get("text"), str):
             raise CorpusError(f'{path}:{number}: expected an object with a "text" string')
         passages.append(Passage(id=str(record.get("id", number)), text=record["text"],
                                 title=str(record.get("title") or "")))
