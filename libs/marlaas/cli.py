@@ -1,4 +1,4 @@
-"""``marlaas``: up, tasks, submit, list, status, watch, cancel, delete, pull, report (and ``tenant``).
+"""``marlaas``: up, tasks, submit, list, status, watch, cancel, delete, pull, report, bench (and ``tenant``).
 
 Job commands go through the HTTP API with the SDK (``marlaas.Client.from_env``: the
 gateway and the default tenant's token of the stack under the home dir, or
@@ -36,6 +36,10 @@ def _fail(message: str, as_json: bool) -> int:
 # --- commands -------------------------------------------------------------------------------
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_up(args, config) -> int:
     from rich.console import Console
 
@@ -44,10 +48,7 @@ def cmd_up(args, config) -> int:
     console = Console(stderr=True)
     stack = Stack(config)
 
-    def on_sigterm(*_) -> None:  # `kill`, systemd and `docker stop` stop the stack like Ctrl-C does
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill`, systemd and `docker stop` stop it like Ctrl-C
     with console.status(f"starting nats-server, {', '.join(stack.services)} (vLLM)..."):
         stack.start()
     info = stack.summary()  # addresses and paths, never a secret
@@ -307,6 +308,51 @@ def cmd_report(args, config) -> int:
     return 0
 
 
+def cmd_bench(args, config) -> int:
+    from rich.console import Console
+    from rich.markdown import Markdown
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from marlaas.bench.plots import write_plots
+    from marlaas.bench.report import check_targets, markdown_report
+    from marlaas.bench.runner import run_benchmark
+    from marlaas.bench.workload import BASELINE_LOOP, MODES, load_workload
+
+    workload = load_workload(args.workload)
+    modes = args.modes.split(",") if args.modes else workload.modes_to_run(args.quick)
+    unknown = [m for m in modes if m not in (*MODES, BASELINE_LOOP)]
+    if unknown:
+        raise ValueError(f"--modes: unknown {unknown}; choose from {', '.join([*MODES, BASELINE_LOOP])}")
+    out = Path(args.out or f"bench-results/{workload.name}{'-quick' if args.quick else ''}")
+    out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # a stopped benchmark stops the stack it runs
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+                  TimeElapsedColumn(), console=console) as bar:
+        rows: dict[str, int] = {}
+
+        def progress(label: str, done: int, total: int) -> None:
+            if label not in rows:
+                rows[label] = bar.add_task(label, total=total)
+            bar.update(rows[label], completed=done, total=total)
+
+        result = run_benchmark(workload, modes, args.quick, progress, base_model=config.base_model)
+    (out / "results.json").write_bytes(msgspec.json.format(msgspec.json.encode(result)))
+    report = markdown_report(result, workload.targets)
+    (out / "results.md").write_text(report)
+    plots = write_plots(result, out)
+    if args.json:
+        runs = [{k: v for k, v in r.items() if k not in ("timeline", "histograms")} for r in result["runs"]]
+        checks = [{"target": c.target, "wanted": c.wanted, "measured": c.measured, "met": c.met}
+                  for c in check_targets(result["runs"], workload.targets)]
+        _print_json({**{k: v for k, v in result.items() if k != "runs"}, "runs": runs, "targets": checks,
+                     "out": str(out), "plots": [str(p) for p in plots]})
+    else:
+        Console().print(Markdown(report))
+        console.print(f"results, report and plots in {out}/")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="marlaas", description=__doc__)
     parser.add_argument("--config", help="a TOML config file (default: $MARLAAS_CONFIG)")
@@ -351,6 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("report", cmd_report, "plot a job's reward, eval score and time per step (PNG)")
     p.add_argument("job")
     p.add_argument("--out", help="directory for the plots (default: report-JOB)")
+    p = command("bench", cmd_bench, "benchmark a workload under several schedules, side by side")
+    p.add_argument("workload", help="a name in benchmarks/workloads (agentic-10, mix, sweep, ...) or a TOML path")
+    p.add_argument("--modes", help="comma-separated: async,sync,sequential,async-single-lora,sync-single-lora,"
+                   "async-adaptive,inprocess (default: the workload's)")
+    p.add_argument("--quick", action="store_true", help="fewer versions and sweep points (minutes, not hours)")
+    p.add_argument("--out", help="directory for results.json, results.md and the plots")
     # --- tenant administration: `marlaas tenant ...` from libs/marlaas/admin.py, where it exists ---
     try:
         from marlaas.admin import add_tenant_commands

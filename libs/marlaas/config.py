@@ -30,6 +30,9 @@ class RolloutConfig(Section):
     max_model_len: int = 512
     dtype: str = "float32"
     concurrency: int = 16  # jobs sampled at once by one replica
+    # batch every job's requests in the engine together (multi-LoRA); false = one job's requests at
+    # a time, the paper's "without multi-LoRA" ablation
+    multi_lora: bool = True
     cpu_threads_bind: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND: cores the CPU engine's threads use
     block_size: int = 0  # KV-cache block (tokens); 0 = the backend's (128 on CPU). Only full blocks are
     # prefix-cached: a smaller block lets short multi-turn episodes re-enter from the cache
@@ -45,7 +48,15 @@ class TrainerConfig(Section):
 
 class ManagerConfig(Section):
     kv_budget_gib: float = 1.0  # admission: estimated KV-cache bytes of running jobs must fit
-    schedule: Literal["async", "sequential"] = "async"
+    # async: each job advances on its own events (the design); sync: rounds where every running job
+    # samples, a global barrier, then every job trains; sequential: one job at a time
+    schedule: Literal["async", "sync", "sequential"] = "async"
+    # kv: admit in submission order while the running jobs' KV-cache footprints fit kv_budget_gib;
+    # adaptive: also admit one job at a time only while the engine has idle time and no running
+    # job's time per step exceeds target_tpts_s (services/manager/adaptive.py)
+    admission: Literal["kv", "adaptive"] = "kv"
+    target_tpts_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # adaptive: 0 = no bound on TPTS
+    target_engine_busy: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9  # adaptive: busy enough
     # garbage collection keeps the adapters of a job's last N committed versions (and pinned ones)
     gc_keep_last: Annotated[int, msgspec.Meta(ge=1)] = 3
 

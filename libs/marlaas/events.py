@@ -47,6 +47,9 @@ class GrpoSettings(Wire):
     kl_coef: float = 0.0
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
+    # benchmarks: every turn runs to its token budget (EOS is sampled like any token, and the turn
+    # goes on after it), so completion length is fixed; the logprobs stay the policy's own
+    ignore_eos: bool = False
 
 
 class LoraSettings(Wire):

@@ -4,7 +4,8 @@ A job's footprint is the KV cache its rollout batch can hold at once: every
 sequence of the batch (prompts x group size) at its longest (prompt + max new
 tokens), times the bytes one token's keys and values take in every layer. Jobs
 are admitted in submission order while the running jobs' footprints fit the
-budget; the rest queue. The ``sequential`` schedule admits one job at a time.
+budget; the rest queue. The ``sequential`` schedule admits one job at a time; the
+``adaptive`` policy (``adaptive.py``) may hold back jobs that fit.
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ def job_footprint(prompts: int, group_size: int, prompt_tokens: int, max_new_tok
     return prompts * group_size * (prompt_tokens + max_new_tokens) * bytes_per_token
 
 
-def to_admit(records: list[JobRecord], budget_bytes: int, schedule: str) -> list[str]:
-    """Ids of queued jobs to admit now, oldest first, while they fit next to the running ones."""
+def to_admit(records: list[JobRecord], budget_bytes: int, schedule: str, limit: int | None = None) -> list[str]:
+    """Ids of queued jobs to admit now, oldest first, while they fit next to the running ones
+    (and at most ``limit`` of them: the adaptive policy's answer)."""
     running = [r for r in records if r.state is JobState.RUNNING]
     used = sum(r.kv_cache_bytes for r in running)
     slots = 1 - len(running) if schedule == "sequential" else len(records)
+    if limit is not None:
+        slots = min(slots, limit)
     admitted = []
     for record in sorted((r for r in records if r.state is JobState.QUEUED),
                          key=lambda r: r.spec.submitted_at):

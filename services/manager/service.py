@@ -24,14 +24,16 @@ from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery, StaleRevisi
 from marlaas.commits import announce
 from marlaas.config import Config
 from marlaas.events import (
-    COMMITTED, JOB, JOB_RECORD, POLICY, CommittedVersion, EvalPoint, JobEvaluated, JobFailureReported, JobRecord,
+    COMMITTED, JOB, JOB_RECORD, METRIC, POLICY, EventDecodeError, CommittedVersion, EvalPoint, JobEvaluated, JobFailureReported, JobRecord,
     JobSpec,
     JobState, JobStateChanged, JobSubmitted, encode,
 )
 from marlaas.runtime import Runtime
+from marlaas.telemetry import UTILIZATION_JOB, span_subject
 from marlaas.store import ObjectStore
 from marlaas.tasks import TaskError, get_task
 from marlaas.tools.registry import ToolNameError, read_tool, split_qualified
+from services.manager.adaptive import AdaptiveAdmission
 from services.manager.admission import job_footprint, kv_bytes_per_token, to_admit
 from services.manager.gc import collect_job
 from services.manager.job_admin import delete_job, pin_version, quota_refusal
@@ -72,6 +74,9 @@ class Manager:
         self._collecting: set[str] = set()  # jobs with a garbage collection running
         self._collect_again: set[str] = set()  # ... and committed again meanwhile
         self._waiting = True  # jobs may be queued, or the last admission pass failed
+        mc = config.manager
+        self.adaptive = (AdaptiveAdmission(mc.target_engine_busy, mc.target_tpts_s)
+                         if mc.admission == "adaptive" else None)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -234,9 +239,12 @@ class Manager:
         """Admit the queued jobs that fit; return whether any job is left waiting."""
         async with self._admission:
             records = await self.records()
-            admitted = to_admit(records, self.budget_bytes, self.config.manager.schedule)
+            limit = self.adaptive.slots(records) if self.adaptive else None
+            admitted = to_admit(records, self.budget_bytes, self.config.manager.schedule, limit)
             for job in admitted:
                 await self.admit(next(r for r in records if r.spec.id == job).spec)
+                if self.adaptive:
+                    self.adaptive.admitted(job)
             queued = sum(r.state is JobState.QUEUED for r in records)
             return queued > len(admitted)
 
@@ -346,6 +354,15 @@ class Manager:
         finally:
             self._collecting.discard(job)
 
+    async def on_utilization(self, msg) -> None:
+        """Rollout's engine utilization, for the adaptive admission policy."""
+        try:
+            event = METRIC.decode(msg.data)
+        except EventDecodeError:
+            return  # telemetry: a record we cannot read is skipped
+        if event.phase == "utilization":
+            self.adaptive.observe_engine(event.start, event.end, float(event.attrs.get("engine_busy_s", 0.0)))
+
     async def on_job_event(self, delivery: Delivery) -> None:
         event = JOB.decode(delivery.data)
         if isinstance(event, JobFailureReported):
@@ -402,8 +419,10 @@ async def run(rt: Runtime) -> None:
     await rt.bus.serve(api.DELETE, "manager", _reply(lambda data: delete_job(manager, data)))
     await rt.bus.serve(api.PIN, "manager", _reply(lambda data: pin_version(manager, data)))
     await rt.bus.serve(api.PING, "manager", _pong)
+    if manager.adaptive:
+        await rt.bus.nc.subscribe(span_subject(UTILIZATION_JOB), cb=manager.on_utilization)
     rt.ready()
-    log.info("ready", schedule=rt.config.manager.schedule,
+    log.info("ready", schedule=rt.config.manager.schedule, admission=rt.config.manager.admission,
              kv_budget_mib=round(manager.budget_bytes / 2**20, 1))
     await asyncio.gather(
         manager.keep_admitting(rt.stop),  # also picks up where a previous manager left off

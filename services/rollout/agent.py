@@ -142,8 +142,9 @@ class ToolBox:
 
 async def run_episode(engine: PolicyEngine, fmt: ConversationFormat, prompt_ids: list[int], *,
                       tools: ToolBox, limits: EpisodeLimits, temperature: float, lora,
-                      seed: Callable[[int], int]) -> Episode:
-    """Sample one episode; ``seed(turn)`` gives each turn's sampling seed."""
+                      seed: Callable[[int], int], ignore_eos: bool = False) -> Episode:
+    """Sample one episode; ``seed(turn)`` gives each turn's sampling seed; ``ignore_eos``
+    makes every turn run to its budget (fixed-length completions, for benchmarks)."""
     episode = Episode(prompt_ids)
     while True:
         budget = min(limits.max_new_tokens, limits.max_total_tokens - len(episode) - 1)
@@ -152,7 +153,8 @@ async def run_episode(engine: PolicyEngine, fmt: ConversationFormat, prompt_ids:
             return episode
         turn = await engine.generate(episode.ids, max_tokens=budget, temperature=temperature, lora=lora,
                                      seed=seed(episode.turns),  # a single-turn task's text is never cut at a tag
-                                     stop=[CALL_CLOSE] if limits.max_tool_calls else None)
+                                     stop=[CALL_CLOSE] if limits.max_tool_calls else None,
+                                     ignore_eos=ignore_eos)
         if episode.turns:
             episode.cached_tokens.append(turn.cached_tokens)
         episode.add_turn(turn.token_ids, turn.logprobs)

@@ -114,7 +114,7 @@ class PolicyEngine:
             await asyncio.sleep(every_s)
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, lora,
-                       seed: int, stop: list[str] | None = None) -> Completion:
+                       seed: int, stop: list[str] | None = None, ignore_eos: bool = False) -> Completion:
         """One completion of ``prompt_ids`` (token in, token out) under ``lora``.
 
         Each sample is its own request with its own seed (vLLM's ``n > 1`` is a frontend
@@ -127,7 +127,7 @@ class PolicyEngine:
 
         params = SamplingParams(
             n=1, max_tokens=max_tokens, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
-            logprobs=0, seed=seed, stop=stop or None, include_stop_str_in_output=True,
+            logprobs=0, seed=seed, stop=stop or None, include_stop_str_in_output=True, ignore_eos=ignore_eos,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         final = None

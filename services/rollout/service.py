@@ -19,10 +19,10 @@ import time
 import structlog
 
 from marlaas.adapters import attempt_prefix, materialize
-from marlaas.bus import Bus, Delivery, PoisonMessage
+from marlaas.bus import JOBS_BUCKET, Bus, Delivery, PoisonMessage
 from marlaas.commits import read_job, report_failure
 from marlaas.events import (
-    JOB, POLICY, REWARD, EventDecodeError, JobEvaluated, JobSpec, JobState, JobStateChanged, PolicyCommitted,
+    JOB, JOB_RECORD, POLICY, REWARD, EventDecodeError, JobEvaluated, JobSpec, JobState, JobStateChanged, PolicyCommitted,
     RewardItem, RewardRequest, Span, TrajectoryBatch, TrajectoryReady, encode,
 )
 from marlaas.runtime import Runtime
@@ -32,6 +32,7 @@ from marlaas.tools.registry import reward_subject
 from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
 from services.rollout.engine import PolicyEngine
 from services.rollout.episode import Episode, episode_metrics
+from services.rollout.rounds import SyncRounds
 
 log = structlog.get_logger("rollout")
 SERVICE = "rollout"
@@ -84,6 +85,24 @@ class Rollout:
         self.finished: set[str] = set()  # jobs forgotten: never load an adapter for them again
         self.eval_tasks: dict[str, Task] = {}  # each job's held-out task (its eval_dataset, if any)
         self.pinned: dict[str, object] = {}  # STALE_ADAPTER_FAULT only: each job's first adapter dir
+        # the paper's ablations: sync rounds with a global barrier, and no multi-LoRA batching
+        # (one job's requests in the engine at a time)
+        self.rounds = (SyncRounds(self.running_jobs, rt.config.rollout.concurrency)
+                       if rt.config.manager.schedule == "sync" else None)
+        self.engine_gate = None if rt.config.rollout.multi_lora else asyncio.Lock()
+
+    async def running_jobs(self) -> set[str]:
+        """Ids of the registry's running jobs (the members a ``sync`` round waits for)."""
+        running = set()
+        for key in await self.bus.kv_keys(JOBS_BUCKET):
+            entry = await self.bus.kv_get(JOBS_BUCKET, key)
+            if entry is not None and JOB_RECORD.decode(entry.value).state is JobState.RUNNING:
+                running.add(key)
+        return running
+
+    def engine_turn(self):
+        """Held while a job's requests are in the engine; exclusive without multi-LoRA batching."""
+        return self.engine_gate or contextlib.nullcontext()
 
     def task_of(self, spec: JobSpec) -> Task:
         if spec.id not in self.tasks:
@@ -111,7 +130,12 @@ class Rollout:
         if state.committed.version != version:
             return  # an old announcement (redelivered): a newer version already exists
         async with delivery.keep_alive():
-            batch = await self.sample_batch(spec, event)
+            if self.rounds is None:
+                batch = await self.sample_batch(spec, event)
+            else:
+                async with self.rounds.member(job) as round_:
+                    batch = await self.sample_batch(spec, event)
+                    await round_.sampled(job)  # the barrier: no round member trains before all sampled
             if batch is not None:
                 await self.publish(spec, version, batch)
                 if spec.eval_every and version % spec.eval_every == 0:  # after the batch: the trainer
@@ -125,7 +149,7 @@ class Rollout:
             self.eval_tasks[spec.id] = task
             problems = task.problems(spec.eval_problems, EVAL_SEED)
             prompt_ids = [self.format.prompt_ids(p["prompt"], list(spec.tool_specs)) for p in problems]
-            async with self._lock(spec.id):
+            async with self._lock(spec.id), self.engine_turn():
                 lora = await self.load_adapter(spec.id, version, event)
                 if lora is None:
                     return
@@ -197,7 +221,7 @@ class Rollout:
         prompt_ids = [self.format.prompt_ids(p["prompt"], list(spec.tool_specs)) for p in problems]
         # vLLM may (re)load an adapter from its directory whenever a request uses it, so the
         # job's cleanup (forget) waits until its generation is done
-        async with self._lock(spec.id):
+        async with self._lock(spec.id), self.engine_turn():
             lora = await self.load_adapter(spec.id, version, event)
             if lora is None:
                 return None
@@ -237,7 +261,8 @@ class Rollout:
         return await run_episode(
             self.engine, self.format, prompt_ids, tools=tools, limits=limits,
             temperature=grpo.temperature if temperature is None else temperature,
-            lora=lora, seed=lambda turn: sample_seed(spec, version, prompt, sample, turn))
+            lora=lora, seed=lambda turn: sample_seed(spec, version, prompt, sample, turn),
+            ignore_eos=grpo.ignore_eos and temperature is None)  # evaluations answer freely
 
     async def rewards(self, spec: JobSpec, problems: list[dict], groups: list[list[str]]) -> list[float]:
         """Scores of every completion (flattened in group order) by the task's or the job's reward."""
@@ -268,7 +293,8 @@ class Rollout:
 
 
 async def report_utilization(bus: Bus, engine: PolicyEngine, stop: asyncio.Event, every_s: float = 2.0) -> None:
-    """Publish the engine's busy time (and its overlap with pending tool calls) as spans."""
+    """Publish the engine's busy time (and its overlap with pending tool calls) and its busy
+    intervals as spans."""
     while not stop.is_set():
         start = time.time()
         with contextlib.suppress(TimeoutError):
@@ -278,6 +304,10 @@ async def report_utilization(bus: Bus, engine: PolicyEngine, stop: asyncio.Event
             await bus.publish(span_subject(UTILIZATION_JOB), encode(Span(
                 job=UTILIZATION_JOB, service=SERVICE, phase="utilization", version=-1, start=start,
                 end=time.time(), attrs=totals)))
+        for busy_start, busy_end in engine.utilization.take_intervals():
+            await bus.publish(span_subject(UTILIZATION_JOB), encode(Span(
+                job=UTILIZATION_JOB, service=SERVICE, phase="engine", version=-1, start=busy_start,
+                end=busy_end)))
 
 
 async def run(rt: Runtime) -> None:

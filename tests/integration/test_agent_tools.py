@@ -33,7 +33,8 @@ class ScriptedEngine:
         self.turns = list(turns)
         self.requests: list[list[int]] = []
 
-    async def generate(self, prompt_ids, *, max_tokens, temperature, lora, seed, stop=None) -> Completion:
+    async def generate(self, prompt_ids, *, max_tokens, temperature, lora, seed, stop=None,
+                       ignore_eos=False) -> Completion:
         self.requests.append(list(prompt_ids))
         text = self.turns.pop(0)
         ids = TOKENIZER(text, add_special_tokens=False)["input_ids"]

@@ -1,8 +1,11 @@
-"""Admission by KV-cache budget, FIFO, and the sequential schedule."""
+"""Admission by KV-cache budget, FIFO, the sequential schedule, and the adaptive policy."""
 
 import json
 
 from marlaas.events import JobRecord, JobSpec, JobState
+import msgspec
+
+from services.manager.adaptive import SETTLE_MAX_S, AdaptiveAdmission
 from services.manager.admission import job_footprint, kv_bytes_per_token, to_admit
 
 
@@ -36,3 +39,36 @@ def test_sequential_schedule_admits_one_job_at_a_time():
     assert to_admit(records, budget_bytes=100, schedule="sequential") == ["j0"]
     records[0] = record("j0", JobState.RUNNING, 1, 0.0)
     assert to_admit(records, budget_bytes=100, schedule="sequential") == []
+
+
+def test_a_limit_caps_what_fits():
+    records = [record(f"j{i}", JobState.QUEUED, 10, float(i)) for i in range(3)]
+    assert to_admit(records, budget_bytes=100, schedule="async", limit=1) == ["j0"]
+    assert to_admit(records, budget_bytes=100, schedule="async", limit=0) == []
+
+
+def running(job: str, version: int, tpts_s: float = 1.0) -> JobRecord:
+    r = record(job, JobState.RUNNING, 10, 0.0)
+    return msgspec.structs.replace(r, version=version, first_commit_at=100.0,
+                                   last_commit_at=100.0 + tpts_s * max(version - 1, 0))
+
+
+def test_adaptive_admits_while_the_engine_idles_one_settled_job_at_a_time():
+    policy = AdaptiveAdmission(target_engine_busy=0.9)
+    queued = [record("q", JobState.QUEUED, 10, 5.0)]
+    assert policy.slots(queued, now=1000.0) == 1  # nothing runs: admit at once
+    policy.admitted("a", now=1000.0)
+    policy.observe_engine(1000.0, 1002.0, busy_s=1.0)  # half busy
+    assert policy.slots([running("a", 1), *queued], now=1002.0) == 0  # a has not settled yet
+    assert policy.slots([running("a", 2), *queued], now=1002.0) == 1  # settled, engine half idle
+    policy.observe_engine(1002.0, 1012.0, busy_s=9.8)
+    assert policy.slots([running("a", 5), *queued], now=1012.0) == 0  # saturated: admitting adds nothing
+    assert policy.slots([running("a", 1), *queued], now=1000.0 + SETTLE_MAX_S) == 0  # settled by time, still busy
+
+
+def test_adaptive_stops_when_a_running_job_is_slower_than_the_tpts_target():
+    policy = AdaptiveAdmission(target_engine_busy=0.9, target_tpts_s=2.0)
+    policy.observe_engine(0.0, 10.0, busy_s=1.0)  # mostly idle
+    assert policy.slots([running("a", 4, tpts_s=1.5)], now=10.0) == 1
+    assert policy.slots([running("a", 4, tpts_s=2.5)], now=10.0) == 0
+    assert AdaptiveAdmission(0.9).slots([running("a", 4)], now=10.0) == 0  # no utilization seen yet

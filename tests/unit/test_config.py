@@ -123,4 +123,4 @@ def test_values_out_of_range_are_refused():
     with pytest.raises(ConfigError, match="hot_adapters"):
         load_config(overrides={"trainer.hot_adapters": 0}, env={})
     with pytest.raises(ConfigError, match="schedule"):
-        load_config(overrides={"manager.schedule": "sync"}, env={})
+        load_config(overrides={"manager.schedule": "round-robin"}, env={})

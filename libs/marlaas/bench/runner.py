@@ -1,0 +1,179 @@
+"""Run a workload under each chosen mode, one after another, on this machine.
+
+Each mode gets a fresh embedded stack (same model, same services, only the schedule
+settings differ), warmed with a short untimed job. Then for every number of jobs in
+the workload's sweep, the jobs are submitted at once and timed from the first submit
+to the last completion; the services' spans give every other figure
+(``marlaas.bench.metrics``) and a sampler records each service's peak RSS (its whole
+process tree: rollout's includes its vLLM engine core). The ``inprocess`` mode runs
+the single-user loop of ``benchmarks/inprocess_grpo.py`` on the same jobs one after
+another instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from marlaas.bench.metrics import run_metrics, timeline
+from marlaas.bench.workload import BASELINE_LOOP, MODES, WORKLOAD_DIR, Workload
+from marlaas.bus import Bus
+from marlaas.client import Client
+from marlaas.config import load_config
+from marlaas.launcher import Stack
+from marlaas.telemetry import read_spans
+
+Progress = Callable[[str, int, int], None]  # (label, steps done, steps in all)
+SPAN_FLUSH_S = 2.5  # rollout publishes engine intervals every 2 s: wait for the last ones
+
+
+class RssSampler:
+    """Peak resident memory of each service's process tree, sampled in a thread."""
+
+    def __init__(self, stack: Stack, every_s: float = 1.0) -> None:
+        self.stack, self.every_s = stack, every_s
+        self.peak_mib: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        import psutil
+
+        for name, proc in list(self.stack.procs.items()):
+            try:
+                root = psutil.Process(proc.pid)
+                rss = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+            except psutil.Error:
+                continue
+            self.peak_mib[name] = max(self.peak_mib.get(name, 0.0), rss / 2**20)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._sample()
+
+    def __enter__(self) -> RssSampler:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+async def _run_jobs(url: str, submissions: list[dict], label: str, progress: Progress | None,
+                    timeout_s: float) -> tuple[list[dict], float, float]:
+    client = await Client.connect(url)
+    try:
+        started = time.time()
+        ids = list(await asyncio.gather(*(client.submit(s) for s in submissions)))
+        total = sum(s["steps"] for s in submissions)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            views = [v for v in await client.status() if v.id in ids]
+            if progress:
+                progress(label, sum(v.steps for v in views), total)
+            if all(v.state in ("completed", "failed", "cancelled") for v in views):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{label}: jobs not finished after {timeout_s:.0f}s")
+            await asyncio.sleep(0.5)
+        return [msgspec.to_builtins(v) for v in views], started, time.time()
+    finally:
+        await client.close()
+
+
+async def _spans(url: str):
+    await asyncio.sleep(SPAN_FLUSH_S)
+    bus = await Bus.connect(url)
+    try:
+        return await read_spans(bus)
+    finally:
+        await bus.close()
+
+
+def run_mode(workload: Workload, mode: str, quick: bool, progress: Progress | None = None,
+             timeout_s: float = 3600.0, base_model: str = "") -> list[dict]:
+    """Every sweep point of ``workload`` under schedule ``mode``, on one fresh stack."""
+    counts = workload.job_counts(quick)
+    home = Path(tempfile.mkdtemp(prefix=f"marlaas-bench-{mode}-"))
+    overrides = {"home": str(home), "gateway.port": 0, "base_model": base_model or None,
+                 **workload.overrides(), **MODES[mode]}
+    # every mode may hold all jobs' announcements at once (sync needs it for its barrier)
+    overrides["rollout.concurrency"] = max(overrides.get("rollout.concurrency", 16), max(counts))
+    config = load_config(overrides=overrides, env={})
+    runs = []
+    try:
+        with Stack(config) as stack:
+            warmup = workload.submissions(1, quick, f"{mode}-warmup")
+            warmup[0]["steps"] = 2
+            asyncio.run(_run_jobs(stack.nats_url, warmup, f"{mode} warm-up", progress, timeout_s))
+            for n in counts:
+                label = f"{mode}-{n}"
+                with RssSampler(stack) as rss:
+                    jobs, start, end = asyncio.run(_run_jobs(
+                        stack.nats_url, workload.submissions(n, quick, label), label, progress, timeout_s))
+                spans = asyncio.run(_spans(stack.nats_url))
+                ids = {j["id"] for j in jobs}  # the run ends with its last commit, not the last poll
+                end = max((s.end for s in spans if s.job in ids and s.phase == "commit"), default=end)
+                runs.append({"mode": mode, **run_metrics(spans, jobs, start, end),
+                             "peak_rss_mib": dict(rss.peak_mib), "timeline": timeline(spans, jobs, start)})
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    return runs
+
+
+def load_inprocess_loop():
+    """``run_inprocess`` from benchmarks/inprocess_grpo.py (a script of the repository, not the package)."""
+    path = WORKLOAD_DIR.parent / "inprocess_grpo.py"
+    spec = importlib.util.spec_from_file_location("inprocess_grpo", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.run_inprocess
+
+
+def run_baseline_loop(workload: Workload, quick: bool, progress: Progress | None = None) -> list[dict]:
+    """The single-user loop, run for each sweep point's jobs one after another."""
+    run_inprocess = load_inprocess_loop()
+    latency = workload.config.get("env", {}).get("tool_latency_s", {})
+    runs = []
+    for n in workload.job_counts(quick):
+        subs = workload.submissions(n, quick, f"{BASELINE_LOOP}-{n}")
+        delays = [d if isinstance(d, (int, float)) else sum(d) / 2 for d in latency.values()]
+        grpo = subs[0].get("grpo", {})
+        if progress:
+            progress(f"{BASELINE_LOOP}-{n}", 0, sum(s["steps"] for s in subs))
+        result = run_inprocess([s["task"] for s in subs], steps=workload.versions(quick),
+                               tool_latency_s=max(delays, default=0.0),
+                               max_new_tokens=int(grpo.get("max_new_tokens", 0)), progress=False)
+        if progress:
+            progress(f"{BASELINE_LOOP}-{n}", result["steps"], result["steps"])
+        runs.append({**result, "mode": BASELINE_LOOP, "jobs": n})
+    return runs
+
+
+def run_benchmark(workload: Workload, modes: list[str], quick: bool,
+                  progress: Progress | None = None, base_model: str = "") -> dict:
+    """Every mode of ``modes`` in turn; the result document ``marlaas bench --json`` prints."""
+    import os
+    import platform
+
+    runs = []
+    for mode in modes:
+        runs += run_baseline_loop(workload, quick, progress) if mode == BASELINE_LOOP else \
+            run_mode(workload, mode, quick, progress, base_model=base_model)
+    return {
+        "workload": workload.name, "description": workload.description, "quick": quick,
+        "steps_per_job": workload.versions(quick),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version()},
+        "runs": runs,
+    }
