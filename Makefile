@@ -28,7 +28,7 @@ test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit
 
 bench: setup
-	$(BIN)/python benchmarks/steps_per_hour.py --steps 20 --sequential
+	$(BIN)/marlaas bench single-turn-3 --out bench-results/single-turn-3
 
 clean:
 	rm -rf $(VENV) .pytest_cache

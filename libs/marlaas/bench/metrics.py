@@ -83,6 +83,15 @@ def overheads_ms(spans: Sequence[Span]) -> list[float]:
     return out
 
 
+def phase_medians_ms(spans: Sequence[Span]) -> dict[str, float | None]:
+    """Where a version's time goes: the median duration of each phase, and of the gaps between."""
+    durations = {phase: [(s.end - s.start) * 1000 for s in spans if s.phase == phase]
+                 for phase in ("generate", "reward", "train", "commit")}
+    return {"handoff": percentile(handoffs_ms(spans), 0.5), **{
+        phase: percentile(values, 0.5) for phase, values in durations.items()},
+        "ready_to_train": percentile(ready_to_train_ms(spans), 0.5)}
+
+
 def summarize(values: Sequence[float]) -> dict[str, float | None]:
     return {"p50": percentile(values, 0.5), "p90": percentile(values, 0.9), "n": len(values)}
 
@@ -117,6 +126,7 @@ def run_metrics(spans: Sequence[Span], jobs: Sequence[dict], start: float, end: 
         "handoff_ms": summarize(handoff),
         "ready_to_train_ms": summarize(ready),
         "overhead_ms": summarize(overhead),
+        "phase_ms": phase_medians_ms(mine),
         "histograms": {"handoff_ms": handoff, "ready_to_train_ms": ready},
         "final_reward": {j["name"]: (j["rewards"][-1] if j["rewards"] else None) for j in jobs},
     }

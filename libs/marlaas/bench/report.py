@@ -114,6 +114,13 @@ def markdown_report(result: dict, targets: dict[str, float]) -> str:
     checks = check_targets(runs, targets)
     if checks:
         parts += ["Targets:", ""] + [f"- {c.line()}" for c in checks] + [""]
+    phased = [r for r in runs if r.get("phase_ms")]
+    if phased:
+        keys = list(phased[0]["phase_ms"])
+        parts += ["Where a version's time goes (medians, ms):", "",
+                  "| mode | jobs | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+        parts += [f"| {r['mode']} | {r['jobs']} | " + " | ".join(cell(r["phase_ms"], k, "{:.0f}") for k in keys)
+                  + " |" for r in phased] + [""]
     rss = [(r["mode"], r["jobs"], r.get("peak_rss_mib", {})) for r in runs if r.get("peak_rss_mib")]
     if rss:
         services = sorted({s for _, _, peaks in rss for s in peaks})

@@ -13,6 +13,7 @@ another instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import shutil
 import tempfile
@@ -100,34 +101,49 @@ async def _spans(url: str):
         await bus.close()
 
 
+@contextlib.contextmanager
+def bench_stack(overrides: dict, max_jobs: int, base_model: str = ""):
+    """A fresh embedded stack with ``overrides`` (a mode's settings and a workload's), in a
+    temporary home that is removed afterwards."""
+    home = Path(tempfile.mkdtemp(prefix="marlaas-bench-"))
+    settings = {"home": str(home), "gateway.port": 0, "base_model": base_model or None, **overrides}
+    # every mode may hold all jobs' announcements at once (sync needs it for its barrier)
+    settings["rollout.concurrency"] = max(settings.get("rollout.concurrency", 16), max_jobs)
+    try:
+        with Stack(load_config(overrides=settings, env={})) as stack:
+            yield stack
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def measure(stack: Stack, submissions: list[dict], label: str, progress: Progress | None = None,
+            timeout_s: float = 3600.0) -> dict:
+    """Submit ``submissions`` at once, wait for all, and return the run's figures."""
+    with RssSampler(stack) as rss:
+        jobs, start, end = asyncio.run(_run_jobs(stack.nats_url, submissions, label, progress, timeout_s))
+    spans = asyncio.run(_spans(stack.nats_url))
+    ids = {j["id"] for j in jobs}  # the run ends with its last commit, not the last poll
+    end = max((s.end for s in spans if s.job in ids and s.phase == "commit"), default=end)
+    return {**run_metrics(spans, jobs, start, end), "peak_rss_mib": dict(rss.peak_mib),
+            "timeline": timeline(spans, jobs, start)}
+
+
+def warm_up(stack: Stack, submission: dict, label: str, progress: Progress | None = None) -> None:
+    """A short untimed job: first-use costs (engine, trainer, adapters) are not measured."""
+    asyncio.run(_run_jobs(stack.nats_url, [{**submission, "steps": 2}], label, progress, 1800.0))
+
+
 def run_mode(workload: Workload, mode: str, quick: bool, progress: Progress | None = None,
              timeout_s: float = 3600.0, base_model: str = "") -> list[dict]:
     """Every sweep point of ``workload`` under schedule ``mode``, on one fresh stack."""
     counts = workload.job_counts(quick)
-    home = Path(tempfile.mkdtemp(prefix=f"marlaas-bench-{mode}-"))
-    overrides = {"home": str(home), "gateway.port": 0, "base_model": base_model or None,
-                 **workload.overrides(), **MODES[mode]}
-    # every mode may hold all jobs' announcements at once (sync needs it for its barrier)
-    overrides["rollout.concurrency"] = max(overrides.get("rollout.concurrency", 16), max(counts))
-    config = load_config(overrides=overrides, env={})
     runs = []
-    try:
-        with Stack(config) as stack:
-            warmup = workload.submissions(1, quick, f"{mode}-warmup")
-            warmup[0]["steps"] = 2
-            asyncio.run(_run_jobs(stack.nats_url, warmup, f"{mode} warm-up", progress, timeout_s))
-            for n in counts:
-                label = f"{mode}-{n}"
-                with RssSampler(stack) as rss:
-                    jobs, start, end = asyncio.run(_run_jobs(
-                        stack.nats_url, workload.submissions(n, quick, label), label, progress, timeout_s))
-                spans = asyncio.run(_spans(stack.nats_url))
-                ids = {j["id"] for j in jobs}  # the run ends with its last commit, not the last poll
-                end = max((s.end for s in spans if s.job in ids and s.phase == "commit"), default=end)
-                runs.append({"mode": mode, **run_metrics(spans, jobs, start, end),
-                             "peak_rss_mib": dict(rss.peak_mib), "timeline": timeline(spans, jobs, start)})
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
+    with bench_stack({**workload.overrides(), **MODES[mode]}, max(counts), base_model) as stack:
+        warm_up(stack, workload.submissions(1, quick, f"{mode}-warmup")[0], f"{mode} warm-up", progress)
+        for n in counts:
+            label = f"{mode}-{n}"
+            run = measure(stack, workload.submissions(n, quick, label), label, progress, timeout_s)
+            runs.append({"mode": mode, **run})
     return runs
 
 
@@ -141,21 +157,24 @@ def load_inprocess_loop():
 
 
 def run_baseline_loop(workload: Workload, quick: bool, progress: Progress | None = None) -> list[dict]:
-    """The single-user loop, run for each sweep point's jobs one after another."""
+    """The single-user loop, run for each sweep point's jobs one after another. It takes the
+    first job's ``grpo`` settings for all, the engine settings (``rollout.*``) of the stack, and
+    each tool's mean latency as a fixed delay."""
     run_inprocess = load_inprocess_loop()
     latency = workload.config.get("env", {}).get("tool_latency_s", {})
+    delays = [d if isinstance(d, (int, float)) else sum(d) / 2 for d in latency.values()]
+    engine = {k: v for k, v in workload.overrides().items() if k.startswith("rollout.")}
     runs = []
     for n in workload.job_counts(quick):
-        subs = workload.submissions(n, quick, f"{BASELINE_LOOP}-{n}")
-        delays = [d if isinstance(d, (int, float)) else sum(d) / 2 for d in latency.values()]
-        grpo = subs[0].get("grpo", {})
+        label = f"{BASELINE_LOOP}-{n}"
+        subs = workload.submissions(n, quick, label)
         if progress:
-            progress(f"{BASELINE_LOOP}-{n}", 0, sum(s["steps"] for s in subs))
+            progress(label, 0, sum(s["steps"] for s in subs))
         result = run_inprocess([s["task"] for s in subs], steps=workload.versions(quick),
-                               tool_latency_s=max(delays, default=0.0),
-                               max_new_tokens=int(grpo.get("max_new_tokens", 0)), progress=False)
+                               grpo=subs[0].get("grpo", {}), tool_latency_s=max(delays, default=0.0),
+                               overrides=engine, progress=False)
         if progress:
-            progress(f"{BASELINE_LOOP}-{n}", result["steps"], result["steps"])
+            progress(label, result["steps"], result["steps"])
         runs.append({**result, "mode": BASELINE_LOOP, "jobs": n})
     return runs
 
