@@ -57,12 +57,12 @@ def sweep(args) -> dict:
     loop = load_inprocess_loop()
     result: dict = {"steps": args.steps, "jobs": args.jobs, "length": [], "latency": []}
     with bench_stack({}, args.jobs) as stack:
-        warm_up(stack, length_jobs(1, 16, 2)[0], "warm-up")
+        warm_up(stack, length_jobs(1, 16, 2), "warm-up")
         for length in args.lengths:
             result["length"] += point(stack, loop, length_jobs, args.jobs, length, args.steps, {})
     for latency in args.latencies:
         with bench_stack({"env.tool_latency_s": {"calculator": latency}}, args.jobs) as stack:
-            warm_up(stack, latency_jobs(1, latency, 2)[0], "warm-up")
+            warm_up(stack, latency_jobs(1, latency, 2), "warm-up")
             result["latency"] += point(stack, loop, latency_jobs, args.jobs, latency, args.steps,
                                        {"tool_latency_s": latency})
     return result

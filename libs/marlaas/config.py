@@ -26,7 +26,9 @@ class RolloutConfig(Section):
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB)
     gpu_memory_utilization: float = 0.8
     max_loras: int = 8  # adapters resident in one engine batch
-    max_lora_rank: int = 16
+    # every adapter is padded to this rank in vLLM's LoRA kernels: on CPU, 16 instead of 8 makes a
+    # rank-8 job's generation ~30 % slower (benchmarks/engine_lora.py). Raise it for larger ranks.
+    max_lora_rank: int = 8
     max_model_len: int = 512
     dtype: str = "float32"
     concurrency: int = 16  # jobs sampled at once by one replica

@@ -129,6 +129,9 @@ def run_metrics(spans: Sequence[Span], jobs: Sequence[dict], start: float, end: 
         "phase_ms": phase_medians_ms(mine),
         "histograms": {"handoff_ms": handoff, "ready_to_train_ms": ready},
         "final_reward": {j["name"]: (j["rewards"][-1] if j["rewards"] else None) for j in jobs},
+        # less noisy than one batch: the mean of the last three versions' batch rewards
+        "mean_last_rewards": {j["name"]: (statistics.mean(j["rewards"][-3:]) if j["rewards"] else None)
+                              for j in jobs},
     }
 
 

@@ -128,9 +128,11 @@ def measure(stack: Stack, submissions: list[dict], label: str, progress: Progres
             "timeline": timeline(spans, jobs, start)}
 
 
-def warm_up(stack: Stack, submission: dict, label: str, progress: Progress | None = None) -> None:
-    """A short untimed job: first-use costs (engine, trainer, adapters) are not measured."""
-    asyncio.run(_run_jobs(stack.nats_url, [{**submission, "steps": 2}], label, progress, 1800.0))
+def warm_up(stack: Stack, submissions: list[dict], label: str, progress: Progress | None = None,
+            steps: int = 3) -> None:
+    """Short untimed jobs, one per kind of job at once: first-use costs (the engine's kernels
+    for each batch shape, the trainer, adapter loads) are not measured."""
+    asyncio.run(_run_jobs(stack.nats_url, [{**s, "steps": steps} for s in submissions], label, progress, 1800.0))
 
 
 def run_mode(workload: Workload, mode: str, quick: bool, progress: Progress | None = None,
@@ -139,7 +141,7 @@ def run_mode(workload: Workload, mode: str, quick: bool, progress: Progress | No
     counts = workload.job_counts(quick)
     runs = []
     with bench_stack({**workload.overrides(), **MODES[mode]}, max(counts), base_model) as stack:
-        warm_up(stack, workload.submissions(1, quick, f"{mode}-warmup")[0], f"{mode} warm-up", progress)
+        warm_up(stack, workload.one_of_each(f"{mode}-warmup"), f"{mode} warm-up", progress)
         for n in counts:
             label = f"{mode}-{n}"
             run = measure(stack, workload.submissions(n, quick, label), label, progress, timeout_s)

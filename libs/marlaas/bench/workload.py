@@ -102,6 +102,12 @@ class Workload(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                         **({"lora": t.lora} if t.lora else {})})
         return out
 
+    def one_of_each(self, label: str) -> list[dict]:
+        """One submission per job template (a warm-up that meets every kind of job)."""
+        firsts = [sum(t.count for t in self.jobs[:i]) for i in range(len(self.jobs))]
+        everyone = self.submissions(sum(t.count for t in self.jobs), False, label)
+        return [everyone[i] for i in firsts]
+
     def overrides(self) -> dict[str, Any]:
         """The stack settings as dotted keys (``env.tool_latency_s``)."""
         return {f"{section}.{key}": value for section, fields in self.config.items()
