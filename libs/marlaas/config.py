@@ -25,7 +25,7 @@ class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class RolloutConfig(Section):
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB)
     gpu_memory_utilization: float = 0.8
-    max_loras: int = 8  # adapters resident in one engine batch
+    max_loras: int = 16  # adapters resident in one engine batch (as many as jobs sampled at once)
     # every adapter is padded to this rank in vLLM's LoRA kernels: on CPU, 16 instead of 8 makes a
     # rank-8 job's generation ~30 % slower (benchmarks/engine_lora.py). Raise it for larger ranks.
     max_lora_rank: int = 8

@@ -87,6 +87,7 @@ def test_every_shipped_workload_loads_and_bad_ones_say_what_is_wrong(tmp_path):
     agentic = load_workload("agentic-10")
     assert agentic.overrides() == {"env.tool_latency_s": {"calculator": [0.5, 1.5]}}
     assert [s["task"] for s in agentic.submissions(10, quick=False, label="a")] == ["multiply"] * 10
+    assert [s["task"] for s in load_workload("mix").one_of_each("w")] == ["addition", "repeat", "multiply"]
     with pytest.raises(WorkloadError, match="known: .*agentic-10"):
         load_workload("no-such-workload")
     bad = tmp_path / "bad.toml"

@@ -21,7 +21,7 @@ def test_defaults():
     assert (config.nats_url, config.store_url, config.base_model) == ("", "", "")
     assert config.manager.schedule == "async"
     assert config.trainer.device == "cpu"
-    assert config.rollout.max_loras == 8
+    assert config.rollout.max_loras == 16
     assert config.home_dir == Path("~/.marlaas").expanduser().resolve()
     assert config.resolved_store_url == f"file://{config.home_dir / 'store'}"
 

@@ -107,8 +107,10 @@ def bench_stack(overrides: dict, max_jobs: int, base_model: str = ""):
     temporary home that is removed afterwards."""
     home = Path(tempfile.mkdtemp(prefix="marlaas-bench-"))
     settings = {"home": str(home), "gateway.port": 0, "base_model": base_model or None, **overrides}
-    # every mode may hold all jobs' announcements at once (sync needs it for its barrier)
-    settings["rollout.concurrency"] = max(settings.get("rollout.concurrency", 16), max_jobs)
+    # every mode may hold all jobs' announcements at once (sync needs it for its barrier), and
+    # the engine all their adapters in one batch
+    for key, default in (("rollout.concurrency", 16), ("rollout.max_loras", 16)):
+        settings[key] = max(settings.get(key, default), max_jobs)
     try:
         with Stack(load_config(overrides=settings, env={})) as stack:
             yield stack
