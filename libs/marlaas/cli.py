@@ -43,10 +43,10 @@ def _interrupt(*_) -> None:
 def cmd_up(args, config) -> int:
     from rich.console import Console
 
-    from marlaas.launcher import Stack
+    from marlaas.launcher import Stack, parse_replicas
 
     console = Console(stderr=True)
-    stack = Stack(config)
+    stack = Stack(config, replicas=parse_replicas(args.replicas or ""))
 
     signal.signal(signal.SIGTERM, _interrupt)  # `kill`, systemd and `docker stop` stop it like Ctrl-C
     with console.status(f"starting nats-server, {', '.join(stack.services)} (vLLM)..."):
@@ -365,7 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    command("up", cmd_up, "start the embedded stack (nats-server + the services)")
+    p = command("up", cmd_up, "start the embedded stack (nats-server + the services)")
+    p.add_argument("--replicas", metavar="SERVICE=N,...",
+                   help="run more than one process of a service, e.g. rollout=2,trainer=2,env=2")
     command("tasks", cmd_tasks, "list the built-in tasks")
     p = command("submit", cmd_submit, "submit a job from a TOML file and/or flags; prints its id")
     p.add_argument("file", nargs="?", help="a TOML job file")

@@ -45,13 +45,40 @@ class StackError(RuntimeError):
     """A service did not start, or died."""
 
 
+SINGLETONS = ("manager",)  # the job registry's one writer: never replicated
+
+
+def parse_replicas(text: str) -> dict[str, int]:
+    """``"rollout=2,trainer=2"`` -> ``{"rollout": 2, "trainer": 2}``, with errors that say what to fix."""
+    replicas = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, count = part.partition("=")
+        if name not in SERVICES or not count.isdigit() or int(count) < 1:
+            raise StackError(f"--replicas {part!r}: write SERVICE=N with N >= 1, SERVICE one of {', '.join(SERVICES)}")
+        if name in SINGLETONS and int(count) > 1:
+            raise StackError(f"--replicas {part!r}: the {name} is the job registry's one writer; run one")
+        replicas[name] = int(count)
+    return replicas
+
+
+def service_of(process: str) -> str:
+    """The service a process name runs: ``rollout-2`` -> ``rollout``."""
+    return process.partition("-")[0]
+
+
 class Stack:
-    """Start / stop the whole system on this machine."""
+    """Start / stop the whole system on this machine; ``replicas`` runs more than one process
+    of a service (``{"rollout": 2}`` starts ``rollout`` and ``rollout-2``)."""
 
     def __init__(self, config: Config, services: tuple[str, ...] = SERVICES,
-                 child_env: dict[str, str] | None = None) -> None:
+                 child_env: dict[str, str] | None = None, replicas: dict[str, int] | None = None) -> None:
         self.config = config
-        self.services = services
+        self.replicas = replicas or {}
+        if self.replicas.get("rollout", 1) > 1 and config.manager.schedule == "sync":
+            raise StackError("the sync schedule's barrier lives in one rollout process: run one rollout "
+                             "replica with manager.schedule = 'sync'")
+        self.services = tuple(name if i == 1 else f"{name}-{i}" for name in services
+                              for i in range(1, self.replicas.get(name, 1) + 1))
         self.child_env = child_env or {}
         self.home = config.home_dir
         self.nats: EmbeddedNats | None = None
@@ -141,7 +168,7 @@ class Stack:
         logfile = open(self.home / "logs" / f"{name}.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.child_env}
         self.procs[name] = spawn(
-            [sys.executable, "-m", f"services.{name}", "--config", str(self.config_path)],
+            [sys.executable, "-m", f"services.{service_of(name)}", "--config", str(self.config_path)],
             stdout=logfile, stderr=subprocess.STDOUT, env=env,
         )
 
@@ -164,7 +191,8 @@ class Stack:
         ready_dir = self.run_dir / "ready"
         while True:
             self.check_alive()
-            pending = [n for n, p in self.procs.items() if not (ready_dir / f"{n}-{p.pid}").exists()]
+            pending = [n for n, p in self.procs.items()
+                       if not (ready_dir / f"{service_of(n)}-{p.pid}").exists()]
             if not pending:
                 return
             if time.monotonic() > deadline:

@@ -8,6 +8,7 @@ the versions involved, on ``marlaas.span.<job>``.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import structlog
@@ -29,7 +30,7 @@ def span_subject(job: str) -> str:
 async def span(bus: Bus, service: str, phase: str, job: str, version: int, **attrs):
     """Time the body and publish a :class:`Span`; ``attrs`` (a dict) may be filled in by the body."""
     start = time.time()
-    extra: dict = dict(attrs)
+    extra: dict = {**attrs, "pid": os.getpid()}  # which replica recorded it
     yield extra
     record = Span(job=job, service=service, phase=phase, version=version, start=start,
                   end=time.time(), attrs=extra)

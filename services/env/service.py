@@ -13,6 +13,7 @@ import structlog
 
 from marlaas.events import RewardResult, encode
 from marlaas.runtime import Runtime
+from marlaas.telemetry import span
 from marlaas.tools.sdk import decode_reward_request
 from services.env.judge import JUDGE_SUBJECT, Judge
 from services.env.rewards import RewardBook
@@ -33,7 +34,8 @@ async def run(rt: Runtime) -> None:
         request = decode_reward_request(data)
         if isinstance(request, RewardResult):
             return encode(request)
-        result = await asyncio.to_thread(book.score, request)
+        async with span(rt.bus, "env", "score", request.job, -1, items=len(request.items)):
+            result = await asyncio.to_thread(book.score, request)
         if result.error:
             log.warning("reward request refused", job=request.job, error=result.error)
         return encode(result)

@@ -52,19 +52,16 @@ def no_job(job: str) -> str:
     return f"no job {job!r}; `marlaas list` shows your jobs"
 
 
-async def quota_refusal(bus: Bus, tenant: str) -> str:
-    """Why ``tenant`` may not add a job now ("" = it may): it has ``max_jobs`` queued or running.
+async def quota_refusal(bus: Bus, tenant: str, unfinished_jobs: list[JobRecord]) -> str:
+    """Why ``tenant`` may not add a job now ("" = it may): it has ``max_jobs`` queued or running
+    (``unfinished_jobs``: every tenant's, from the manager's index).
 
     A tenant without a record (jobs submitted straight over NATS by internal tools) is not limited.
     """
     record = await get_tenant(bus, tenant)
     if record is None:
         return ""
-    unfinished = 0
-    for key in await bus.kv_keys(JOBS_BUCKET):
-        if key.startswith(f"{tenant}."):
-            job = await read_record(bus, key, tenant)
-            unfinished += job is not None and not job.state.finished
+    unfinished = sum(job.spec.tenant == tenant for job in unfinished_jobs)
     if unfinished < record.max_jobs:
         return ""
     return (f"tenant {tenant!r} already has {unfinished} jobs queued or running, its quota (max_jobs = "

@@ -74,6 +74,10 @@ class Manager:
         self._collecting: set[str] = set()  # jobs with a garbage collection running
         self._collect_again: set[str] = set()  # ... and committed again meanwhile
         self._waiting = True  # jobs may be queued, or the last admission pass failed
+        # the index of unfinished (queued or running) job ids, built by one scan of the registry
+        # and kept by this process, the registry's one writer: admission and quotas read only
+        # these records, however many finished jobs the registry holds
+        self._unfinished: set[str] | None = None
         mc = config.manager
         self.adaptive = (AdaptiveAdmission(mc.target_engine_busy, mc.target_tpts_s)
                          if mc.admission == "adaptive" else None)
@@ -193,10 +197,11 @@ class Manager:
             return api.SubmitReply(error=str(exc), code=api.INVALID)
         spec = record.spec
         async with self._submitting:
-            refusal = await quota_refusal(self.bus, spec.tenant)
+            refusal = await quota_refusal(self.bus, spec.tenant, await self.unfinished_records())
             if refusal:
                 return api.SubmitReply(error=refusal, code=api.QUOTA)
             await self.bus.kv_create(JOBS_BUCKET, spec.id, encode(record))
+            self._unfinished.add(spec.id)
         await self.bus.publish(f"marlaas.job.submitted.{spec.id}", encode(JobSubmitted(spec=spec)))
         log.info("job submitted", job=spec.id, task=spec.task, steps=spec.steps)
         await self.try_admission()
@@ -238,7 +243,7 @@ class Manager:
     async def admit_queued(self) -> bool:
         """Admit the queued jobs that fit; return whether any job is left waiting."""
         async with self._admission:
-            records = await self.records()
+            records = await self.unfinished_records()
             limit = self.adaptive.slots(records) if self.adaptive else None
             admitted = to_admit(records, self.budget_bytes, self.config.manager.schedule, limit)
             for job in admitted:
@@ -273,6 +278,22 @@ class Manager:
                 out.append(JOB_RECORD.decode(entry.value))
         return out
 
+    async def unfinished_records(self) -> list[JobRecord]:
+        """The queued and running jobs' records, read fresh, through the index (built on first use)."""
+        if self._unfinished is None:
+            unfinished = [r for r in await self.records() if not r.state.finished]
+            self._unfinished = {r.spec.id for r in unfinished}
+            return unfinished
+        out = []
+        for job in sorted(self._unfinished):
+            entry = await self.bus.kv_get(JOBS_BUCKET, job)
+            record = JOB_RECORD.decode(entry.value) if entry else None
+            if record is None or record.state.finished:  # deleted, or finished meanwhile
+                self._unfinished.discard(job)
+            else:
+                out.append(record)
+        return out
+
     async def update(self, job: str, change: Callable[[JobRecord], JobRecord | None]) -> JobRecord | None:
         """Apply ``change`` by compare-and-set, retrying on conflict; None from it means no change."""
         while True:
@@ -303,6 +324,8 @@ class Manager:
                                encode(JobStateChanged(job=job, state=state, reason=reason, at=time.time())))
         log.info("job state", job=job, state=state.value, reason=reason)
         if state.finished:
+            if self._unfinished is not None:
+                self._unfinished.discard(job)
             await self.try_admission()
         return True
 

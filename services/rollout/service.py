@@ -66,6 +66,20 @@ def digest(values: object) -> str:
     return hashlib.sha256(repr(values).encode()).hexdigest()[:16]
 
 
+def remove_dead_replicas_caches(root) -> None:
+    """Delete the adapter caches of rollout processes that no longer run (killed, crashed)."""
+    for cache in root.glob("adapters-*"):
+        pid = cache.name.removeprefix("adapters-")
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(cache, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, someone else's
+
+
 class EngineGone(Exception):
     """The engine cannot serve anymore; the message is retried by the restarted replica."""
 
@@ -79,7 +93,9 @@ class Rollout:
         self.engine = engine
         self.config = rt.config
         self.format = ConversationFormat(engine.tokenizer)
-        self.cache_dir = rt.config.home_dir / "cache" / "adapters"
+        # per process: replicas on one machine never delete each other's adapter files
+        self.cache_dir = rt.config.home_dir / "cache" / f"adapters-{os.getpid()}"
+        remove_dead_replicas_caches(self.cache_dir.parent)
         self.tasks: dict[str, Task] = {}
         self.adapter_locks: dict[str, asyncio.Lock] = {}
         self.finished: set[str] = set()  # jobs forgotten: never load an adapter for them again
@@ -169,10 +185,12 @@ class Rollout:
             msg_id=f"{spec.id}:eval:{version}")
         log.info("evaluated", job=spec.id, version=version, score=round(score, 4))
 
-    async def forget(self, job: str) -> None:
-        """Free what a finished job held: its engine adapter, task and adapter cache."""
+    async def forget(self, job: str, final: bool = True) -> None:
+        """Free what a finished job held: its engine adapter, task and adapter cache. ``final``:
+        never load an adapter for it again (else a late announcement may still load one)."""
         async with self._lock(job):
-            self.finished.add(job)
+            if final:
+                self.finished.add(job)
             self.tasks.pop(job, None)
             self.eval_tasks.pop(job, None)
             await self.engine.drop_job(job)
@@ -199,14 +217,15 @@ class Rollout:
         return lora
 
     async def on_job_state(self, msg) -> None:
-        """Cancelled or failed jobs get no further announcement: free them when their state says so."""
+        """Free finished jobs when their state says so (on every replica, not only the one that
+        sampled last). A completed job is released but not barred: its last announcement may
+        still reach this replica and evaluate the final version."""
         try:
             event = JOB.decode(msg.data)
         except EventDecodeError:
             return
-        # a completed job is freed by its last announcement (after its final evaluation)
-        if isinstance(event, JobStateChanged) and event.state in (JobState.CANCELLED, JobState.FAILED):
-            await self.forget(event.job)
+        if isinstance(event, JobStateChanged) and event.state.finished:
+            await self.forget(event.job, final=event.state is not JobState.COMPLETED)
 
     async def give_up(self, delivery: Delivery, exc: Exception) -> None:
         """An announcement that failed every attempt (or was poison): fail its job, not the service."""
@@ -328,5 +347,6 @@ async def run(rt: Runtime) -> None:
         reporter.cancel()
         dead = engine.dead
         engine.shutdown()
+        shutil.rmtree(rollout.cache_dir, ignore_errors=True)
     if dead:
         raise SystemExit("rollout: the vLLM engine died; exiting so that this replica is restarted")

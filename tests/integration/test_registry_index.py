@@ -1,0 +1,59 @@
+"""The manager's index of unfinished jobs: a registry full of finished jobs costs a submission
+nothing, while quotas and admission still see every queued and running job."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+
+from marlaas import api
+from marlaas.bus import JOBS_BUCKET
+from marlaas.config import load_config
+from marlaas.events import JobRecord, JobSpec, JobState, encode
+from marlaas.tenants import add_tenant
+from services.manager.service import Manager
+
+FINISHED = 2000
+
+
+class CountingGets:
+    """Counts the KV reads of the ``jobs`` bucket made through a bus."""
+
+    def __init__(self, bus) -> None:
+        self.count, self._get = 0, bus.kv_get
+        bus.kv_get = self
+
+    async def __call__(self, bucket, key):
+        self.count += bucket == JOBS_BUCKET
+        return await self._get(bucket, key)
+
+
+def submission(name: str, tenant: str = "default") -> bytes:
+    return msgspec.json.encode({"name": name, "task": "addition", "steps": 2, "tenant": tenant})
+
+
+async def test_finished_jobs_do_not_slow_submission(bus, file_store, tmp_path):
+    for i in range(FINISHED):  # a long-lived registry: thousands of finished jobs
+        spec = JobSpec(id=f"old.job-{i}", tenant="old", name="old", task="addition", steps=1)
+        await bus.kv_create(JOBS_BUCKET, spec.id, encode(JobRecord(spec=spec, state=JobState.COMPLETED)))
+    config = load_config(overrides={"home": str(tmp_path)}, env={})
+    manager = await asyncio.to_thread(Manager, bus, file_store, config)
+    gets = CountingGets(bus)
+
+    first = await manager.submit(submission("first"))  # builds the index: one scan of the registry
+    assert first.id and gets.count >= FINISHED
+    gets.count = 0
+    second = await manager.submit(submission("second"))
+    assert second.id
+    assert gets.count < 10, gets.count  # only the unfinished jobs' records, not the registry
+
+    queued = {r.spec.id for r in await manager.unfinished_records()}
+    assert queued == {first.id, second.id}  # both admitted and running: the index holds them
+    await manager.transition(first.id, JobState.CANCELLED, "test")
+    assert {r.spec.id for r in await manager.unfinished_records()} == {second.id}
+
+    await add_tenant(bus, "acme", max_jobs=1)  # the quota counts from the index too
+    assert (await manager.submit(submission("a1", "acme"))).id
+    refused = await manager.submit(submission("a2", "acme"))
+    assert refused.code == api.QUOTA and "max_jobs = 1" in refused.error
