@@ -36,6 +36,7 @@ JOBS_BUCKET = "jobs"
 VERSIONS_BUCKET = "versions"
 TOOLS_BUCKET = "tools"
 TENANTS_BUCKET = "tenants"
+SAMPLED_BUCKET = "sampled"  # per job: the last version whose batch rollout published
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ BUCKETS = (
     BucketSpec(VERSIONS_BUCKET),
     BucketSpec(TOOLS_BUCKET, history=1, ttl_s=30.0),  # tool servers re-announce as a heartbeat
     BucketSpec(TENANTS_BUCKET),
+    BucketSpec(SAMPLED_BUCKET, history=1),
 )
 
 

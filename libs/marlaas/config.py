@@ -118,6 +118,9 @@ class Config(Section):
     base_model: str = ""  # "" = the built-in tiny model; else a local HF model directory
     log_format: Literal["console", "json"] = "console"
     log_level: str = "info"
+    # JetStream drops a repeated Nats-Msg-Id within this window; exactly-once does not rest on
+    # it (rollout records what it sampled, the trainer commits by compare-and-set)
+    duplicate_window_s: Annotated[float, msgspec.Meta(ge=0.1)] = 300.0
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     manager: ManagerConfig = msgspec.field(default_factory=ManagerConfig)

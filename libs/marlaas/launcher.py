@@ -157,7 +157,8 @@ class Stack:
         self.nats = EmbeddedNats(auth_file.parent, auth=True).start()
         url = natsauth.url_with_credentials(self.nats.url, natsauth.SERVICES_USER, password)
         try:
-            run_coroutine(provision_tenants(url, self.nats, password, self.default_token_file))
+            run_coroutine(provision_tenants(url, self.nats, password, self.default_token_file,
+                                            self.config.duplicate_window_s))
         except BaseException:
             self.nats.stop()
             self.nats = None
@@ -251,7 +252,7 @@ def run_coroutine(coroutine):
 
 
 async def provision_tenants(url: str, broker: EmbeddedNats, services_password: str,
-                            token_file: Path) -> None:
+                            token_file: Path, duplicate_window_s: float = 300.0) -> None:
     """Create the topology and tenant ``default`` (its token into ``token_file``), then render
     the broker's users from the ``tenants`` bucket and reload it."""
     from marlaas import tenants
@@ -259,7 +260,7 @@ async def provision_tenants(url: str, broker: EmbeddedNats, services_password: s
 
     bus = await Bus.connect(url, name="marlaas-launcher", timeout_s=15.0)
     try:
-        await bus.ensure_topology()
+        await bus.ensure_topology(duplicate_window_s=duplicate_window_s)
         await ensure_default_tenant(bus, token_file)
         await tenants.write_broker_auth(bus, broker.auth_file, services_password)
         broker.reload()

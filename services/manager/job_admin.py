@@ -20,7 +20,7 @@ import msgspec
 import structlog
 
 from marlaas import api
-from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
+from marlaas.bus import JOBS_BUCKET, SAMPLED_BUCKET, VERSIONS_BUCKET, Bus
 from marlaas.events import JOB_RECORD, JobRecord, JobState
 from marlaas.store import ObjectStore
 from marlaas.tenants import get_tenant
@@ -109,6 +109,7 @@ async def remove_job_data(bus: Bus, store: ObjectStore, job: str) -> int:
     """Remove the job's KV entries, stream messages and objects; return how many objects there were."""
     await bus.kv_delete(JOBS_BUCKET, job)
     await bus.kv_delete(VERSIONS_BUCKET, job)
+    await bus.kv_delete(SAMPLED_BUCKET, job)
     for stream, subject in job_subjects(job):
         await bus.purge(stream, subject)
     deleted = 0

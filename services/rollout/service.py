@@ -19,7 +19,7 @@ import time
 import structlog
 
 from marlaas.adapters import attempt_prefix, materialize
-from marlaas.bus import JOBS_BUCKET, Bus, Delivery, PoisonMessage
+from marlaas.bus import JOBS_BUCKET, SAMPLED_BUCKET, Bus, Delivery, PoisonMessage
 from marlaas.commits import read_job, report_failure
 from marlaas.events import (
     JOB, JOB_RECORD, POLICY, REWARD, EventDecodeError, JobEvaluated, JobSpec, JobState, JobStateChanged, PolicyCommitted,
@@ -99,6 +99,7 @@ class Rollout:
         self.tasks: dict[str, Task] = {}
         self.adapter_locks: dict[str, asyncio.Lock] = {}
         self.finished: set[str] = set()  # jobs forgotten: never load an adapter for them again
+        self.sampling: set[tuple[str, int]] = set()  # (job, version) being sampled by this process
         self.eval_tasks: dict[str, Task] = {}  # each job's held-out task (its eval_dataset, if any)
         self.pinned: dict[str, object] = {}  # STALE_ADAPTER_FAULT only: each job's first adapter dir
         # the paper's ablations: sync rounds with a global barrier, and no multi-LoRA batching
@@ -145,6 +146,23 @@ class Rollout:
             return await self.forget(job)
         if state.committed.version != version:
             return  # an old announcement (redelivered): a newer version already exists
+        if (job, version) in self.sampling or await self.sampled_version(job) >= version:
+            return  # a repeat of the current one (a restarted trainer re-announces): never sampled twice
+        self.sampling.add((job, version))
+        try:
+            await self.sample_and_publish(delivery, spec, event)
+        finally:
+            self.sampling.discard((job, version))
+
+    async def sampled_version(self, job: str) -> int:
+        """The last version of ``job`` whose batch rollout published (-1: none)."""
+        entry = await self.bus.kv_get(SAMPLED_BUCKET, job)
+        return int(entry.value) if entry else -1
+
+    async def sample_and_publish(self, delivery: Delivery, spec: JobSpec, event: PolicyCommitted) -> None:
+        """Sample the version's batch (in its round, under ``sync``), publish it, record it as
+        sampled, then evaluate the version if it is due."""
+        job, version = spec.id, event.version
         async with delivery.keep_alive():
             if self.rounds is None:
                 batch = await self.sample_batch(spec, event)
@@ -154,6 +172,7 @@ class Rollout:
                     await round_.sampled(job)  # the barrier: no round member trains before all sampled
             if batch is not None:
                 await self.publish(spec, version, batch)
+                await self.bus.kv_put(SAMPLED_BUCKET, job, str(version).encode())
                 if spec.eval_every and version % spec.eval_every == 0:  # after the batch: the trainer
                     await self.evaluate(spec, event)  # works on it meanwhile; the next batch waits one eval
 
