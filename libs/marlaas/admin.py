@@ -62,23 +62,24 @@ class BrokerFiles:
     """Where the broker's users live and, for the embedded one, how to reload it."""
 
     auth_file: Path | None  # None: not known here (nothing to render)
-    pid_file: Path | None = None  # None: reload it yourself (SIGHUP)
-    log_file: Path | None = None  # the server's log, where a reload is confirmed
+    # (pid file, log file) of each embedded server, to SIGHUP and to read the reload's outcome
+    # from; empty: reload it yourself
+    servers: tuple[tuple[Path, Path], ...] = ()
 
 
 def broker_files(config: Config, auth_file: str | None) -> BrokerFiles:
     """The broker's files: ``auth_file`` or ``$MARLAAS_NATS_AUTH_FILE`` (reloaded by the
-    operator), else the embedded broker's when no NATS URL is configured."""
+    operator), else the embedded broker's (one server, or each node of a cluster) when no
+    NATS URL is configured."""
     given = auth_file or os.environ.get(AUTH_FILE_ENV)
     if given:
         return BrokerFiles(Path(given))
     if config.nats_url:
         return BrokerFiles(None)
     nats_dir = config.home_dir / "nats"
-    pid_file = nats_dir / "nats-server.pid"
-    if not pid_file.exists():
-        return BrokerFiles(nats_dir / natsauth.AUTH_FILE)
-    return BrokerFiles(nats_dir / natsauth.AUTH_FILE, pid_file, nats_dir / "nats-server.log")
+    pid_files = [nats_dir / "nats-server.pid", *sorted(nats_dir.glob("node-*/nats-server.pid"))]
+    servers = tuple((pid, pid.with_name("nats-server.log")) for pid in pid_files if pid.exists())
+    return BrokerFiles(nats_dir / natsauth.AUTH_FILE, servers)
 
 
 async def _with_bus(config: Config, fn):
@@ -109,7 +110,7 @@ async def _sync_broker(bus, url: str, config: Config, args) -> str:
         raise natsauth.AuthConfigError(
             f"the broker URL must carry the {natsauth.SERVICES_USER!r} user's password to render "
             "auth.conf (nats://services:PASSWORD@host:port)")
-    reloaded = await write_broker_auth(bus, files.auth_file, password, files.pid_file, files.log_file)
+    reloaded = await write_broker_auth(bus, files.auth_file, password, files.servers)
     return "reloaded" if reloaded else "written"
 
 

@@ -28,6 +28,7 @@ INVALID = "invalid"  # the request itself is wrong (a submission's field, a vers
 QUOTA = "quota"  # the tenant already has its max_jobs queued or running
 NOT_FOUND = "not_found"  # no such job for this tenant (another tenant's job reads the same)
 FINISHED = "finished"  # the job already ended: it cannot be cancelled
+UNAVAILABLE = "unavailable"  # the broker or store failed while recording it: nothing was created; retry
 
 
 # sampling settings vLLM has but the trainer could not reproduce when it scores a batch
@@ -85,7 +86,7 @@ def parse_submission(tree: dict) -> SubmitRequest:
 class SubmitReply(msgspec.Struct, kw_only=True):
     id: str = ""
     error: str = ""
-    code: str = ""  # INVALID or QUOTA when error is set
+    code: str = ""  # INVALID, QUOTA or UNAVAILABLE when error is set
 
 
 class StatusRequest(msgspec.Struct, kw_only=True):

@@ -4,14 +4,24 @@ What it adds to nats-py: the project's topology (streams, KV buckets) created
 idempotently, publish with ``Nats-Msg-Id`` dedup, durable pull consumers driven
 by a loop that survives reconnects and maps a handler's outcome to
 ack / nak(delay) / term, KV compare-and-set, and request/reply with queue groups.
+
+On a JetStream cluster (a broker URL listing several servers, streams at ``num_replicas=3``)
+it also rides out a leader election, 4-10 s in which publishes, KV operations and fetches
+fail: each JetStream request is repeated for up to :data:`RETRY_DEADLINE_S` while it fails
+transiently (no responders, a timeout, "unavailable"). Every publish and KV write carries a
+``Nats-Msg-Id`` so that a repeat of one whose ack was lost is stored once; a compare-and-set
+that lost to another writer is never repeated, it raises :class:`StaleRevision`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import nats
 import nats.errors
@@ -29,8 +39,43 @@ from nats.js.api import (
 )
 
 from marlaas.events import EventDecodeError
+from marlaas.natsauth import redact_url, server_urls, url_credentials
 
 log = structlog.get_logger("marlaas.bus")
+T = TypeVar("T")
+
+RETRY_DEADLINE_S = 30.0  # a JetStream request is repeated this long (an election takes 4-10 s)
+PING_INTERVAL_S = 10  # a server that died without closing the socket is noticed within ~2 pings
+CONSUMER_CHECK_AFTER = 5  # fetches refused in a row before the consume loop checks its consumer
+# nobody answered (no stream leader yet, a node restarting) or JetStream said it cannot now
+TRANSIENT = (
+    asyncio.TimeoutError, nats.errors.NoRespondersError, nats.errors.OutboundBufferLimitError,
+    nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError,
+)
+STREAM_NOT_FOUND = 10059  # also what a node still recovering its metadata may say of a stream
+CONSUMER_NOT_FOUND = 10014
+# what a fetch gets from a consumer without a leader, or one that is gone
+REFUSED_FETCH = (nats.js.errors.ServiceUnavailableError, nats.js.errors.NotFoundError)
+WRONG_LAST_SEQUENCE = (10071, 10164)  # a compare-and-set's expected revision is not the key's
+MSG_ID, EXPECTED_REVISION = "Nats-Msg-Id", "Nats-Expected-Last-Subject-Sequence"
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failed JetStream request may succeed if repeated (see :data:`TRANSIENT`)."""
+    if isinstance(exc, nats.js.errors.NotFoundError):
+        return exc.err_code == STREAM_NOT_FOUND  # asked of a stream known to exist
+    return isinstance(exc, TRANSIENT)
+
+
+def connect_options(url: str) -> dict:
+    """nats-py ``connect`` options for ``url`` (one server or a comma-separated list): every
+    server, reconnect forever, ping every :data:`PING_INTERVAL_S`. The credentials also go as
+    options, so the servers a cluster announces (without them in their address) accept it too."""
+    user, password = url_credentials(url)
+    credentials = {"user": user, "password": password} if user and password else {}
+    return dict(servers=server_urls(url), allow_reconnect=True, max_reconnect_attempts=-1,
+                reconnect_time_wait=0.25, connect_timeout=2, ping_interval=PING_INTERVAL_S,
+                **credentials)
 
 JOBS_BUCKET = "jobs"
 VERSIONS_BUCKET = "versions"
@@ -140,9 +185,12 @@ GiveUp = Callable[[Delivery, Exception], Awaitable[None]]
 class Bus:
     """A connection to NATS with the project's JetStream topology."""
 
+    retry_deadline_s = RETRY_DEADLINE_S
+
     def __init__(self, nc: nats.NATS) -> None:
         self.nc = nc
         self.js = nc.jetstream()
+        self.replicas = 1  # of the streams and buckets this bus creates (ensure_topology sets it)
         self._kv: dict[str, object] = {}
         self._requests: set[asyncio.Task] = set()  # in-flight request handlers, kept and drained
 
@@ -150,22 +198,40 @@ class Bus:
     async def connect(cls, url: str, name: str = "marlaas", timeout_s: float | None = None) -> Bus:
         """Connect with unlimited reconnects; the topology must exist (see :meth:`ensure_topology`).
 
+        ``url`` is one server or a cluster's, comma-separated (see :func:`connect_options`).
         ``timeout_s`` bounds the first connection (clients: fail fast if nothing is there).
         """
 
         async def on_error(exc: Exception) -> None:
             log.warning("nats error", error=str(exc), client=name)
 
-        connecting = nats.connect(
-            servers=[url], name=name, allow_reconnect=True, max_reconnect_attempts=-1,
-            reconnect_time_wait=0.25, connect_timeout=2, error_cb=on_error,
-        )
+        connecting = nats.connect(**connect_options(url), name=name, error_cb=on_error)
         try:
             nc = await asyncio.wait_for(connecting, timeout_s)
-        except TimeoutError as exc:
-            shown = url.rpartition("@")[2] if "@" in url else url  # never print the credentials
-            raise ConnectionError(f"no NATS server answers at {shown} (is marlaas up?)") from exc
+        except TimeoutError as exc:  # never print the credentials
+            raise ConnectionError(f"no NATS server answers at {redact_url(url)} (is marlaas up?)") from exc
         return cls(nc)
+
+    async def _retrying(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        """``await attempt()``, repeated while it fails transiently (:func:`is_transient`) for up
+        to :attr:`retry_deadline_s`; then its last failure propagates."""
+        deadline = time.monotonic() + self.retry_deadline_s
+        delay, failures = 0.1, 0
+        while True:
+            try:
+                result = await attempt()
+            except Exception as exc:
+                if not is_transient(exc) or self.nc.is_closed or time.monotonic() + delay > deadline:
+                    raise
+                failures += 1
+                if failures == 1:
+                    log.warning("JetStream unavailable (an election?); retrying", what=what, error=repr(exc))
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 1.0)
+                continue
+            if failures:
+                log.info("JetStream answers again", what=what, failures=failures)
+            return result
 
     async def close(self) -> None:
         """Finish answering requests, drain and flush, then close; close anyway if draining fails."""
@@ -180,45 +246,58 @@ class Bus:
     # --- topology ------------------------------------------------------------------------
 
     async def ensure_topology(
-        self, duplicate_window_s: float = 300.0, bucket_ttl_s: Mapping[str, float] | None = None
+        self, duplicate_window_s: float = 300.0, bucket_ttl_s: Mapping[str, float] | None = None,
+        replicas: int = 1,
     ) -> None:
         """Create the streams and KV buckets if missing; safe to call from every service.
 
         ``bucket_ttl_s`` overrides a bucket's entry TTL (tests shorten the tools registry's);
-        an existing bucket whose TTL differs is updated in place.
+        an existing bucket whose TTL differs is updated in place. ``replicas`` is each stream's
+        and bucket's number of copies (3 on a three-node cluster); an existing one is scaled to it.
         """
+        self.replicas = replicas
         for spec in STREAMS:
             config = StreamConfig(
                 name=spec.name, subjects=spec.subjects, storage=StorageType.FILE,
                 retention=RetentionPolicy.WORK_QUEUE if spec.work_queue else RetentionPolicy.LIMITS,
                 duplicate_window=duplicate_window_s, max_age=spec.max_age_s or None,
+                num_replicas=replicas,
             )
-            try:
-                await self.js.add_stream(config)
-            except nats.js.errors.BadRequestError:
-                await self.js.update_stream(config)
+            await self._retrying(f"create stream {spec.name}", lambda: self._add_or_update_stream(config))
         for spec in BUCKETS:
             ttl_s = (bucket_ttl_s or {}).get(spec.name, spec.ttl_s)
             await self._bucket(spec.name)
-            await self._set_bucket_ttl(spec.name, ttl_s)
+            await self._retrying(f"configure bucket {spec.name}",
+                                 lambda: self._reconcile_bucket(spec.name, ttl_s, replicas))
+
+    async def _add_or_update_stream(self, config: StreamConfig) -> None:
+        try:
+            await self.js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            await self.js.update_stream(config)
 
     async def _bucket(self, bucket: str):
         if bucket not in self._kv:
-            spec = next((b for b in BUCKETS if b.name == bucket), BucketSpec(bucket))
-            try:
-                self._kv[bucket] = await self.js.key_value(bucket)
-            except nats.js.errors.BucketNotFoundError:
-                self._kv[bucket] = await self.js.create_key_value(KeyValueConfig(
-                    bucket=bucket, history=spec.history, ttl=spec.ttl_s or None,
-                    storage=StorageType.FILE,
-                ))
+            self._kv[bucket] = await self._retrying(f"open bucket {bucket}",
+                                                    lambda: self._open_bucket(bucket))
         return self._kv[bucket]
 
-    async def _set_bucket_ttl(self, bucket: str, ttl_s: float) -> None:
+    async def _open_bucket(self, bucket: str):
+        spec = next((b for b in BUCKETS if b.name == bucket), BucketSpec(bucket))
+        try:
+            return await self.js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            return await self.js.create_key_value(KeyValueConfig(
+                bucket=bucket, history=spec.history, ttl=spec.ttl_s or None,
+                storage=StorageType.FILE, replicas=self.replicas,
+            ))
+
+    async def _reconcile_bucket(self, bucket: str, ttl_s: float, replicas: int) -> None:
         config = (await self.js.stream_info(f"KV_{bucket}")).config
-        if (config.max_age or 0.0) == ttl_s:
+        if (config.max_age or 0.0) == ttl_s and (config.num_replicas or 1) == replicas:
             return
         config.max_age = ttl_s or None
+        config.num_replicas = replicas
         if ttl_s and (config.duplicate_window or 0.0) > ttl_s:  # the server refuses a window > max age
             config.duplicate_window = ttl_s
         await self.js.update_stream(config)
@@ -226,10 +305,15 @@ class Bus:
     # --- publish / request ---------------------------------------------------------------
 
     async def publish(self, subject: str, data: bytes, msg_id: str | None = None) -> bool:
-        """Publish to JetStream; return False when the stream dropped it as a duplicate of ``msg_id``."""
-        headers = {"Nats-Msg-Id": msg_id} if msg_id else None
-        ack = await self.js.publish(subject, data, headers=headers)
-        return not ack.duplicate
+        """Publish to JetStream; return False when the stream dropped it as a duplicate of ``msg_id``.
+
+        Without ``msg_id`` the message gets a fresh one, so that repeating a publish whose ack
+        was lost (an election) stores it once; a duplicate of that id is this call's own message.
+        """
+        headers = {MSG_ID: msg_id or uuid.uuid4().hex}
+        ack = await self._retrying(f"publish {subject}",
+                                   lambda: self.js.publish(subject, data, headers=dict(headers)))
+        return not ack.duplicate or msg_id is None
 
     async def request(self, subject: str, data: bytes, timeout_s: float = 10.0) -> bytes:
         """Core request/reply; raises ``TimeoutError`` when nobody answers in time."""
@@ -264,7 +348,7 @@ class Bus:
 
     async def read_all(self, stream: str, subject: str) -> list[bytes]:
         """Every message now stored in ``stream`` under ``subject``, oldest first (an ephemeral reader)."""
-        info = await self.js.stream_info(stream)
+        info = await self._retrying(f"stream info {stream}", lambda: self.js.stream_info(stream))
         if info.state.messages == 0:
             return []
         sub = await self.js.pull_subscribe(subject, stream=stream)
@@ -284,35 +368,78 @@ class Bus:
     # --- key-value -----------------------------------------------------------------------
 
     async def kv_get(self, bucket: str, key: str) -> KvEntry | None:
-        kv = await self._bucket(bucket)
+        await self._bucket(bucket)
+        msg = await self._retrying(f"kv get {bucket}/{key}", lambda: self._last_message(bucket, key))
+        if msg is None or msg.data is None:
+            return None
+        if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
+            return None
+        return KvEntry(msg.data, msg.seq)
+
+    async def _last_message(self, bucket: str, key: str):
         try:
-            entry = await kv.get(key)
-        except nats.js.errors.KeyNotFoundError:
-            return None
-        if entry.value is None:
-            return None
-        return KvEntry(entry.value, entry.revision)
+            return await self.js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}")
+        except nats.js.errors.NotFoundError as exc:
+            if is_transient(exc):
+                raise
+            return None  # no such key
 
     async def kv_create(self, bucket: str, key: str, value: bytes) -> int:
         """Create ``key``; raise :class:`StaleRevision` if it already exists."""
-        kv = await self._bucket(bucket)
-        try:
-            return await kv.create(key, value)
-        except nats.js.errors.KeyWrongLastSequenceError as exc:
-            raise StaleRevision(f"{bucket}/{key} already exists") from exc
+        return await self._kv_write(bucket, key, value, 0, f"{bucket}/{key} already exists")
 
     async def kv_update(self, bucket: str, key: str, value: bytes, revision: int) -> int:
         """Compare-and-set: write only if ``key`` is still at ``revision``."""
-        kv = await self._bucket(bucket)
-        try:
-            return await kv.update(key, value, last=revision)
-        except nats.js.errors.KeyWrongLastSequenceError as exc:
-            raise StaleRevision(f"{bucket}/{key} is no longer at revision {revision}") from exc
+        return await self._kv_write(bucket, key, value, revision,
+                                    f"{bucket}/{key} is no longer at revision {revision}")
 
     async def kv_put(self, bucket: str, key: str, value: bytes) -> int:
         """Write ``key`` unconditionally (an upsert, e.g. a heartbeat); return the new revision."""
-        kv = await self._bucket(bucket)
-        return await kv.put(key, value)
+        return await self._kv_write(bucket, key, value, None, "")
+
+    async def _kv_write(self, bucket: str, key: str, value: bytes, revision: int | None,
+                        stale: str) -> int:
+        """Write ``key`` (if ``revision`` is given, only while the key is at it; 0: absent);
+        return the new revision, or raise :class:`StaleRevision` with ``stale``.
+
+        The write is repeated while it fails transiently, always with the same message id. If
+        an attempt timed out, it may have been stored: a cluster drops the repeat as a duplicate
+        (and acks the stored one), but a single server checks the revision first and refuses it,
+        so a refusal then is checked against the key's next revision after ``revision``.
+        """
+        await self._bucket(bucket)
+        subject, msg_id = f"$KV.{bucket}.{key}", uuid.uuid4().hex
+        headers = {MSG_ID: msg_id}
+        if revision is not None:
+            headers[EXPECTED_REVISION] = str(revision)
+        timed_out = False
+
+        async def attempt() -> int:
+            nonlocal timed_out
+            try:
+                return (await self.js.publish(subject, value, headers=dict(headers))).seq
+            except asyncio.TimeoutError:
+                timed_out = True
+                raise
+            except nats.js.errors.APIError as exc:
+                if exc.err_code not in WRONG_LAST_SEQUENCE:
+                    raise
+                stored = await self._written_after(bucket, subject, revision, msg_id) if timed_out else None
+                if stored is None:
+                    raise StaleRevision(stale) from exc
+                return stored
+
+        return await self._retrying(f"kv write {bucket}/{key}", attempt)
+
+    async def _written_after(self, bucket: str, subject: str, revision: int, msg_id: str) -> int | None:
+        """The revision of the write ``msg_id`` if it is ``subject``'s first after ``revision``."""
+        try:
+            msg = await self.js.get_msg(f"KV_{bucket}", seq=revision + 1, subject=subject, next=True)
+        except nats.js.errors.NotFoundError as exc:
+            if is_transient(exc):
+                raise
+            return None
+        return msg.seq if (msg.headers or {}).get(MSG_ID) == msg_id else None
 
     async def kv_delete(self, bucket: str, key: str) -> None:
         """Remove ``key`` and all its history, leaving no delete marker: as if never written.
@@ -325,7 +452,8 @@ class Bus:
 
     async def purge(self, stream: str, subject: str) -> None:
         """Delete every message of ``stream`` stored under ``subject`` (wildcards allowed)."""
-        await self.js.purge_stream(stream, subject=subject)
+        await self._retrying(f"purge {stream} {subject}",
+                             lambda: self.js.purge_stream(stream, subject=subject))
 
     async def kv_keys(self, bucket: str) -> list[str]:
         """Every key ever written to ``bucket``, from the server's per-subject counts.
@@ -335,7 +463,8 @@ class Bus:
         """
         await self._bucket(bucket)
         prefix = f"$KV.{bucket}."
-        info = await self.js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+        info = await self._retrying(f"kv keys {bucket}", lambda: self.js.stream_info(
+            f"KV_{bucket}", subjects_filter=f"{prefix}>"))
         return sorted(subject[len(prefix):] for subject in (info.state.subjects or {}))
 
     # --- durable consumers ---------------------------------------------------------------
@@ -352,17 +481,19 @@ class Bus:
         or :class:`EventDecodeError` terms; any other exception naks with a delay
         (transient) until the ``max_deliver``-th attempt, which terms instead. Terming a
         message calls ``on_give_up`` (e.g. to fail the job it belonged to). Up to
-        ``concurrency`` messages are handled at once. Connection loss and server restarts
-        are ridden out: the loop keeps fetching once NATS is back.
+        ``concurrency`` messages are handled at once. Connection loss, server restarts and
+        leader elections are ridden out: the loop keeps fetching once NATS is back, and after
+        :data:`CONSUMER_CHECK_AFTER` refused fetches in a row it adds the durable consumer again
+        if it is gone (nats-py never recreates one, and would be refused for ever).
         """
         config = ConsumerConfig(
-            durable_name=durable, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s,
+            durable_name=durable, filter_subject=subject, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s,
             max_deliver=max_deliver, max_ack_pending=max(concurrency, 1) * 4,
             deliver_policy=DeliverPolicy.NEW if deliver_new else DeliverPolicy.ALL,
         )
         slots = asyncio.Semaphore(concurrency)
         running: set[asyncio.Task] = set()
-        sub = None
+        sub, failures, refused = None, 0, 0
         try:
             while not stop.is_set():
                 try:
@@ -377,12 +508,20 @@ class Bus:
                         slots.release()
                         raise
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    failures = refused = 0
                     continue
-                except Exception as exc:  # disconnected, server restarting: wait and fetch again
-                    log.warning("fetch failed; retrying", stream=stream, durable=durable,
-                                error=repr(exc))
+                except Exception as exc:  # disconnected, server restarting, an election: fetch again
+                    failures += 1
+                    if failures == 1 or failures % 20 == 0:
+                        log.warning("fetch failed; retrying", stream=stream, durable=durable,
+                                    error=repr(exc), in_a_row=failures)
+                    if isinstance(exc, REFUSED_FETCH):
+                        refused += 1
+                        if refused % CONSUMER_CHECK_AFTER == 0:
+                            await self._restore_consumer(stream, config)
                     await asyncio.sleep(0.5)
                     continue
+                failures = refused = 0
                 for msg in msgs:
                     task = asyncio.create_task(
                         self._handle(Delivery(msg), handler, retry_delay_s, max_deliver, on_give_up, slots)
@@ -397,6 +536,24 @@ class Bus:
             if sub is not None:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
+
+    async def _restore_consumer(self, stream: str, config: ConsumerConfig) -> None:
+        """Add durable consumer ``config`` to ``stream`` again if it is gone; a consumer that is
+        there (its leader being elected) is left alone, and so is a failure to tell."""
+        try:
+            await self.js.consumer_info(stream, config.durable_name)
+        except nats.js.errors.NotFoundError as exc:
+            if exc.err_code != CONSUMER_NOT_FOUND:  # the stream itself (a node still recovering)
+                return
+            log.warning("durable consumer is gone; adding it again", stream=stream,
+                        durable=config.durable_name)
+            try:
+                await self.js.add_consumer(stream, config)  # idempotent: a racing twin's add is the same
+            except Exception as exc:
+                log.warning("could not add the consumer again", stream=stream, durable=config.durable_name,
+                            error=repr(exc))
+        except Exception as exc:  # no meta leader yet: look again after the next refusals
+            log.info("consumer check failed", stream=stream, durable=config.durable_name, error=repr(exc))
 
     @staticmethod
     async def _handle(

@@ -46,10 +46,11 @@ def cmd_up(args, config) -> int:
     from marlaas.launcher import Stack, parse_replicas
 
     console = Console(stderr=True)
-    stack = Stack(config, replicas=parse_replicas(args.replicas or ""))
+    stack = Stack(config, replicas=parse_replicas(args.replicas or ""), nats_cluster=args.nats_cluster)
 
     signal.signal(signal.SIGTERM, _interrupt)  # `kill`, systemd and `docker stop` stop it like Ctrl-C
-    with console.status(f"starting nats-server, {', '.join(stack.services)} (vLLM)..."):
+    broker = f"a {args.nats_cluster}-node nats-server cluster" if args.nats_cluster > 1 else "nats-server"
+    with console.status(f"starting {broker}, {', '.join(stack.services)} (vLLM)..."):
         stack.start()
     info = stack.summary()  # addresses and paths, never a secret
     if args.json:
@@ -368,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("up", cmd_up, "start the embedded stack (nats-server + the services)")
     p.add_argument("--replicas", metavar="SERVICE=N,...",
                    help="run more than one process of a service, e.g. rollout=2,trainer=2,env=2")
+    p.add_argument("--nats-cluster", type=int, default=1, choices=(1, 3, 5), metavar="N",
+                   help="run the broker as a JetStream cluster of N nodes (3 or 5) on this machine, "
+                        "every stream and bucket with 3 copies: any one node may fail (default: 1 server)")
     command("tasks", cmd_tasks, "list the built-in tasks")
     p = command("submit", cmd_submit, "submit a job from a TOML file and/or flags; prints its id")
     p.add_argument("file", nargs="?", help="a TOML job file")

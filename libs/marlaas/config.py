@@ -39,6 +39,8 @@ class RolloutConfig(Section):
     block_size: int = 0  # KV-cache block (tokens); 0 = the backend's (128 on CPU). Only full blocks are
     # prefix-cached: a smaller block lets short multi-turn episodes re-enter from the cache
     tool_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # a tool call's reply deadline
+    # a reward request's reply deadline; a request unanswered by then is retried (the env may be restarting)
+    reward_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
 
 
 class TrainerConfig(Section):
@@ -46,6 +48,9 @@ class TrainerConfig(Section):
     hot_adapters: Annotated[int, msgspec.Meta(ge=1)] = 16  # jobs whose adapter + optimizer stay in memory
     micro_batch_tokens: Annotated[int, msgspec.Meta(ge=1)] = 4096  # padded tokens per forward/backward
     torch_threads: int = 0  # 0 = auto: on cpu, all cores but one (the engine's)
+    # chaos runs only (libs/marlaas/bench/chaos.py): SIGKILL itself with this probability right
+    # after writing an adapter (not committed) and right after committing (not announced)
+    fault_crash_p: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
 
 
 class ManagerConfig(Section):
@@ -113,7 +118,11 @@ class Config(Section):
     """The whole stack's configuration."""
 
     home: str = "~/.marlaas"
-    nats_url: str = ""  # "" = start the embedded nats-server
+    # "" = start the embedded nats-server; a cluster's servers comma-separated (nats://u:p@h:1,nats://u:p@h:2)
+    nats_url: str = ""
+    # each JetStream stream and KV bucket is created with this many copies: 3 on a three-node
+    # cluster (`marlaas up --nats-cluster 3` sets it), 1 on a single server
+    nats_replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
     store_url: str = ""  # "" = file://<home>/store
     base_model: str = ""  # "" = the built-in tiny model; else a local HF model directory
     log_format: Literal["console", "json"] = "console"
@@ -153,6 +162,7 @@ class Config(Section):
 _ENV = {
     "MARLAAS_HOME": "home",
     "MARLAAS_NATS_URL": "nats_url",
+    "MARLAAS_NATS_REPLICAS": "nats_replicas",
     "MARLAAS_STORE_URL": "store_url",
     "MARLAAS_BASE_MODEL": "base_model",
     "MARLAAS_LOG_FORMAT": "log_format",

@@ -10,6 +10,12 @@ each readable by its owner only: ``services.password`` (new at every start),
 ``nats.url`` (the broker's URL with the services' credentials in it: what the services,
 ``marlaas status`` and the test suite connect with) and ``default-tenant.token`` (the token
 of tenant ``default``, made once, for the CLI and the SDK).
+
+``nats_cluster=3`` (``marlaas up --nats-cluster 3``) runs the broker as a three-node JetStream
+cluster on loopback (:class:`~marlaas.embedded_nats.EmbeddedNatsCluster`, under
+``<home>/nats/node-<i>``, keeping its own state apart from the single server's): ``nats.url``
+then lists all three servers, and every stream and bucket has three copies, so any one node
+may die without losing an acked write or stopping the jobs.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import structlog
 from marlaas import natsauth
 from marlaas.natsauth import write_private
 from marlaas.config import Config, dump_config
-from marlaas.embedded_nats import EmbeddedNats
+from marlaas.embedded_nats import EmbeddedNats, EmbeddedNatsCluster
 from marlaas.processes import kill_group, spawn
 
 log = structlog.get_logger("marlaas.launcher")
@@ -39,6 +45,7 @@ SERVICES = ("manager", "gateway", "env", "trainer", "rollout")
 DEFAULT_TENANT = "default"
 DEFAULT_TOKEN_FILE = "default-tenant.token"
 DEFAULT_TENANT_MAX_JOBS = 64
+CLUSTER_REPLICAS = 3  # copies of each stream and bucket on an embedded cluster (of 3 or 5 nodes)
 
 
 class StackError(RuntimeError):
@@ -68,11 +75,20 @@ def service_of(process: str) -> str:
 
 class Stack:
     """Start / stop the whole system on this machine; ``replicas`` runs more than one process
-    of a service (``{"rollout": 2}`` starts ``rollout`` and ``rollout-2``)."""
+    of a service (``{"rollout": 2}`` starts ``rollout`` and ``rollout-2``); ``nats_cluster``
+    runs the embedded broker as a JetStream cluster of that many nodes (3 or 5; 1: one server)."""
 
     def __init__(self, config: Config, services: tuple[str, ...] = SERVICES,
-                 child_env: dict[str, str] | None = None, replicas: dict[str, int] | None = None) -> None:
+                 child_env: dict[str, str] | None = None, replicas: dict[str, int] | None = None,
+                 nats_cluster: int = 1) -> None:
         self.config = config
+        if nats_cluster not in (1, 3, 5):
+            raise StackError(f"--nats-cluster {nats_cluster}: run 1 server, or a cluster of 3 or 5 nodes "
+                             "(an odd number, so that a majority survives a failed node)")
+        if nats_cluster > 1 and config.nats_url:
+            raise StackError("--nats-cluster starts the embedded broker, but nats_url is set "
+                             "(MARLAAS_NATS_URL?): unset it, or point nats_url at your own cluster")
+        self.nats_cluster = nats_cluster
         self.replicas = replicas or {}
         if self.replicas.get("rollout", 1) > 1 and config.manager.schedule == "sync":
             raise StackError("the sync schedule's barrier lives in one rollout process: run one rollout "
@@ -81,7 +97,7 @@ class Stack:
                               for i in range(1, self.replicas.get(name, 1) + 1))
         self.child_env = child_env or {}
         self.home = config.home_dir
-        self.nats: EmbeddedNats | None = None
+        self.nats: EmbeddedNats | EmbeddedNatsCluster | None = None
         self.procs: dict[str, subprocess.Popen] = {}
 
     @property
@@ -125,7 +141,8 @@ class Stack:
         (self.run_dir / "gateway.url").unlink(missing_ok=True)
         url = self.config.nats_url or self._start_broker()
         self.resolved = msgspec.structs.replace(
-            self.config, nats_url=url, store_url=self.config.resolved_store_url
+            self.config, nats_url=url, store_url=self.config.resolved_store_url,
+            nats_replicas=self.nats_replicas,
         )
         self.config_path = self.run_dir / "config.json"
         write_private(self.config_path, dump_config(self.resolved).decode())  # holds the password
@@ -139,8 +156,14 @@ class Stack:
             raise
         return self
 
+    @property
+    def nats_replicas(self) -> int:
+        """Copies of each stream and bucket: the embedded cluster's, else the configured."""
+        return CLUSTER_REPLICAS if self.nats_cluster > 1 else self.config.nats_replicas
+
     def _start_broker(self) -> str:
-        """Start the embedded nats-server with auth; return its URL with the services' credentials.
+        """Start the embedded nats-server (or cluster) with auth; return its URL with the
+        services' credentials (every node's, for a cluster).
 
         It starts with the last run's users under a new services password; once the bucket is
         readable and tenant ``default`` exists (made here the first time), the users are
@@ -154,11 +177,14 @@ class Stack:
             with contextlib.suppress(natsauth.AuthConfigError):  # not ours: start from scratch
                 text = natsauth.with_services_password(auth_file.read_text(), password)
         natsauth.write_auth_conf(auth_file, text)
-        self.nats = EmbeddedNats(auth_file.parent, auth=True).start()
+        if self.nats_cluster > 1:
+            self.nats = EmbeddedNatsCluster(auth_file.parent, self.nats_cluster, auth=True).start()
+        else:
+            self.nats = EmbeddedNats(auth_file.parent, auth=True).start()
         url = natsauth.url_with_credentials(self.nats.url, natsauth.SERVICES_USER, password)
         try:
             run_coroutine(provision_tenants(url, self.nats, password, self.default_token_file,
-                                            self.config.duplicate_window_s))
+                                            self.config.duplicate_window_s, self.nats_replicas))
         except BaseException:
             self.nats.stop()
             self.nats = None
@@ -251,16 +277,17 @@ def run_coroutine(coroutine):
         return pool.submit(asyncio.run, coroutine).result()
 
 
-async def provision_tenants(url: str, broker: EmbeddedNats, services_password: str,
-                            token_file: Path, duplicate_window_s: float = 300.0) -> None:
-    """Create the topology and tenant ``default`` (its token into ``token_file``), then render
-    the broker's users from the ``tenants`` bucket and reload it."""
+async def provision_tenants(url: str, broker: EmbeddedNats | EmbeddedNatsCluster, services_password: str,
+                            token_file: Path, duplicate_window_s: float = 300.0, replicas: int = 1) -> None:
+    """Create the topology (``replicas`` copies of each stream and bucket) and tenant ``default``
+    (its token into ``token_file``), then render the broker's users from the ``tenants`` bucket
+    and reload it (every node of a cluster)."""
     from marlaas import tenants
     from marlaas.bus import Bus
 
     bus = await Bus.connect(url, name="marlaas-launcher", timeout_s=15.0)
     try:
-        await bus.ensure_topology(duplicate_window_s=duplicate_window_s)
+        await bus.ensure_topology(duplicate_window_s=duplicate_window_s, replicas=replicas)
         await ensure_default_tenant(bus, token_file)
         await tenants.write_broker_auth(bus, broker.auth_file, services_password)
         broker.reload()

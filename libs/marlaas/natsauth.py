@@ -253,10 +253,16 @@ def wait_for_reload(log_file: Path, offset: int, timeout_s: float = 10.0) -> Non
 
 
 # --- credentials in URLs ----------------------------------------------------------------------
+# A broker URL may list several servers (a cluster), comma-separated: ``nats://u:p@h:1,nats://u:p@h:2``.
+# Each function below treats every server of such a list alike.
 
 
-def url_with_credentials(url: str, user: str, password: str) -> str:
-    """``url`` with its user and password replaced: ``nats://user:password@host:port``."""
+def server_urls(url: str) -> list[str]:
+    """The servers of ``url``, one URL each (a single-server URL gives a list of one)."""
+    return [part.strip() for part in url.split(",") if part.strip()]
+
+
+def _one_with_credentials(url: str, user: str, password: str) -> str:
     parts = urlsplit(url)
     host = parts.hostname or ""
     if ":" in host:
@@ -267,15 +273,24 @@ def url_with_credentials(url: str, user: str, password: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+def url_with_credentials(url: str, user: str, password: str) -> str:
+    """``url`` with its user and password replaced on every server: ``nats://user:password@host:port``."""
+    return ",".join(_one_with_credentials(one, user, password) for one in server_urls(url))
+
+
 def url_credentials(url: str) -> tuple[str, str]:
-    """``(user, password)`` of ``url``, empty strings where it carries none."""
-    parts = urlsplit(url)
+    """``(user, password)`` of ``url`` (of its first server), empty strings where it carries none."""
+    first = (server_urls(url) or [""])[0]
+    parts = urlsplit(first)
     return unquote(parts.username or ""), unquote(parts.password or "")
 
 
 def redact_url(url: str) -> str:
-    """``url`` without its credentials, for logs and messages."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    """``url`` without its credentials (on any of its servers), for logs and messages."""
+    redacted = []
+    for one in server_urls(url) or [url]:
+        parts = urlsplit(one)
+        if "@" in parts.netloc:
+            one = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+        redacted.append(one)
+    return ",".join(redacted)

@@ -61,7 +61,7 @@ def run_service(name: str, argv: list[str] | None = None) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         bus = await Bus.connect(config.nats_url, name=name)
-        await bus.ensure_topology(duplicate_window_s=config.duplicate_window_s)
+        await bus.ensure_topology(duplicate_window_s=config.duplicate_window_s, replicas=config.nats_replicas)
         runtime = Runtime(name, config, bus, open_store(config.resolved_store_url), stop)
         try:
             await main(runtime)

@@ -169,11 +169,14 @@ class FileStore(ObjectStore):
         return self.path(key).is_file()
 
     def list(self, prefix: str = "") -> list[str]:
+        """Keys starting with ``prefix``, from a walk of the prefix's folder only. A folder
+        deleted during the walk (another job's garbage collection) is skipped, not an error."""
+        folder = prefix.rpartition("/")[0]
         keys = []
-        for p in self.root.rglob("*"):
-            if p.is_file() and not p.name.endswith(".tmp"):
-                key = p.relative_to(self.root).as_posix()
-                if key.startswith(prefix):
+        for parent, _, names in os.walk(self.path(folder) if folder else self.root):  # errors skip the folder
+            for name in names:
+                key = Path(parent, name).relative_to(self.root).as_posix()
+                if key.startswith(prefix) and not name.endswith(".tmp"):
                     keys.append(key)
         return sorted(keys)
 

@@ -20,6 +20,7 @@ import hmac
 import re
 import secrets
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -183,10 +184,10 @@ async def lock_tools_registry(bus: Bus) -> None:
 
 
 async def write_broker_auth(bus: Bus, auth_file: Path, services_password: str,
-                            pid_file: Path | None = None, log_file: Path | None = None) -> bool:
+                            servers: Sequence[tuple[Path, Path | None]] = ()) -> bool:
     """Render ``auth_file`` from the bucket (every active tenant with a broker password),
-    validate it, and reload the server in ``pid_file`` if given (waiting for its ``log_file``
-    to confirm, if given); True if it reloaded.
+    validate it, and reload each server of ``servers``, given as (pid file, log file), waiting
+    for its log to confirm (if given); True if it reloaded any.
 
     Also makes sure each active tenant's replay consumers and the registry's rollup lock
     exist, so the rendered permissions always point at something real.
@@ -203,7 +204,6 @@ async def write_broker_auth(bus: Bus, auth_file: Path, services_password: str,
         users.append((record.name, record.token_bcrypt))
     text = natsauth.render_auth(natsauth.bcrypt_hash(services_password), users)
     natsauth.write_auth_conf(auth_file, text)
-    if pid_file is None:
-        return False
-    natsauth.reload_server(pid_file, log_file)
-    return True
+    for pid_file, log_file in servers:
+        natsauth.reload_server(pid_file, log_file)
+    return bool(servers)

@@ -107,8 +107,10 @@ class StackMetrics:
             except EventDecodeError as exc:  # a bad span never stops the figures
                 log.warning("span skipped", error=str(exc))
 
-        since = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=FOLLOW_FROM_S)
-        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since)
+        # by sequence, not by time: after a broker restart or failover nats-py re-creates an
+        # ordered consumer by sequence but keeps a start time, which the server refuses (10094)
+        first = await first_sequence_since(bus, time.time() - FOLLOW_FROM_S)
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=first)
         sub = await bus.js.subscribe("marlaas.span.>", stream="METRICS", cb=on_span, ordered_consumer=True,
                                      config=config)
         try:
@@ -116,3 +118,19 @@ class StackMetrics:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+
+async def first_sequence_since(bus: Bus, since: float) -> int:
+    """The METRICS stream's first sequence stored at or after ``since`` (epoch seconds), or the
+    next one to come if none is; read with a throwaway consumer that starts at that time."""
+    start = datetime.datetime.fromtimestamp(since, datetime.timezone.utc)
+    sub = await bus.js.pull_subscribe("marlaas.span.>", stream="METRICS", config=ConsumerConfig(
+        deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start))
+    try:
+        msgs = await sub.fetch(1, timeout=1.0)
+        return msgs[0].metadata.sequence.stream
+    except asyncio.TimeoutError:
+        return (await bus.js.stream_info("METRICS")).state.last_seq + 1
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()

@@ -25,7 +25,8 @@ from services.gateway.submission import SubmissionRefused, check_submission, par
 
 CHUNK_BYTES = 64 * 1024
 MAX_VERSION = 100_000  # the most steps a job may have
-REFUSALS = {api.QUOTA: 429, api.NOT_FOUND: 404, api.FINISHED: 409, api.INVALID: 400}
+REFUSALS = {api.QUOTA: 429, api.NOT_FOUND: 404, api.FINISHED: 409, api.INVALID: 400,
+            api.UNAVAILABLE: 503}
 
 
 def version_number(raw: str, name: str) -> int:

@@ -200,12 +200,28 @@ class Manager:
             refusal = await quota_refusal(self.bus, spec.tenant, await self.unfinished_records())
             if refusal:
                 return api.SubmitReply(error=refusal, code=api.QUOTA)
-            await self.bus.kv_create(JOBS_BUCKET, spec.id, encode(record))
-            self._unfinished.add(spec.id)
-        await self.bus.publish(f"marlaas.job.submitted.{spec.id}", encode(JobSubmitted(spec=spec)))
+            try:
+                await self.create_job(record)
+            except Exception as exc:  # the broker refused or lost the write: the user must hear it
+                log.exception("submission not recorded; nothing was created", job=spec.id)
+                return api.SubmitReply(code=api.UNAVAILABLE, error=(
+                    f"the job could not be recorded ({type(exc).__name__}: {exc}); nothing was created: "
+                    "submit it again"))
         log.info("job submitted", job=spec.id, task=spec.task, steps=spec.steps)
         await self.try_admission()
         return api.SubmitReply(id=spec.id)
+
+    async def create_job(self, record: JobRecord) -> None:
+        """Write the job's record, then announce it; if the announcement fails, delete the record
+        again, so that a submission refused with an error leaves no job behind."""
+        job = record.spec.id
+        await self.bus.kv_create(JOBS_BUCKET, job, encode(record))
+        try:
+            await self.bus.publish(f"marlaas.job.submitted.{job}", encode(JobSubmitted(spec=record.spec)))
+        except Exception:
+            await self.bus.kv_delete(JOBS_BUCKET, job)
+            raise
+        self._unfinished.add(job)
 
     @property
     def admission_lock(self) -> asyncio.Lock:
@@ -247,11 +263,31 @@ class Manager:
             limit = self.adaptive.slots(records) if self.adaptive else None
             admitted = to_admit(records, self.budget_bytes, self.config.manager.schedule, limit)
             for job in admitted:
-                await self.admit(next(r for r in records if r.spec.id == job).spec)
+                try:
+                    await self.admit(next(r for r in records if r.spec.id == job).spec)
+                except Exception as exc:  # FIFO: the jobs behind it wait too; the next pass retries
+                    await self.note_queued(job, f"not admitted yet: admission failed ({type(exc).__name__}: "
+                                                f"{exc}); retrying")
+                    raise
                 if self.adaptive:
                     self.adaptive.admitted(job)
             queued = sum(r.state is JobState.QUEUED for r in records)
             return queued > len(admitted)
+
+    async def note_queued(self, job: str, reason: str) -> None:
+        """Say on a queued job's record, and on its state subject, why it is still queued (the
+        reason is cleared when it is admitted). A failure here is only logged."""
+
+        def change(r: JobRecord) -> JobRecord | None:
+            return None if r.state is not JobState.QUEUED or r.reason == reason else msgspec.structs.replace(
+                r, reason=reason)
+
+        try:
+            if await self.update(job, change) is not None:
+                await self.bus.publish(f"marlaas.job.state.{job}", encode(JobStateChanged(
+                    job=job, state=JobState.QUEUED, reason=reason, at=time.time())))
+        except Exception:
+            log.exception("could not record why the job is still queued", job=job, reason=reason)
 
     async def admit(self, spec: JobSpec) -> None:
         """Commit version 0 (seeded LoRA init), then mark the job running."""

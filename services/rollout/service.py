@@ -26,10 +26,12 @@ from marlaas.events import (
     RewardItem, RewardRequest, Span, TrajectoryBatch, TrajectoryReady, encode,
 )
 from marlaas.runtime import Runtime
+from marlaas.store import ObjectStore
 from marlaas.tasks import Task, TaskError, get_task
 from marlaas.telemetry import UTILIZATION_JOB, span, span_subject
 from marlaas.tools.registry import reward_subject
 from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
+from services.rollout.announcements import Reaction, plan_announcement
 from services.rollout.engine import PolicyEngine
 from services.rollout.episode import Episode, episode_metrics
 from services.rollout.rounds import SyncRounds
@@ -78,6 +80,10 @@ def remove_dead_replicas_caches(root) -> None:
             shutil.rmtree(cache, ignore_errors=True)
         except PermissionError:
             pass  # alive, someone else's
+
+
+class UnknownJob(PoisonMessage):
+    """An announcement of a job the registry does not hold (deleted, or never submitted)."""
 
 
 class EngineGone(Exception):
@@ -134,30 +140,24 @@ class Rollout:
         job, version = event.job, event.version
         state = await read_job(self.bus, job)
         if state is None:
-            raise PoisonMessage(f"policy-committed for unknown job {job}")
-        record, spec = state.record, state.record.spec
-        final = version >= spec.steps and record.state in (JobState.RUNNING, JobState.COMPLETED)
+            raise UnknownJob(f"policy-committed for unknown job {job}")
+        spec = state.record.spec
         if self.engine.dead:  # vLLM's engine core died: exit, so the supervisor restarts this replica
             raise EngineGone("the vLLM engine is dead")
-        if final and spec.eval_every and state.committed.version == version:
+        plan = plan_announcement(version, state.record, state.committed.version,
+                                 await sampled_version(self.bus, job), (job, version) in self.sampling)
+        if plan.evaluate_final:
             async with delivery.keep_alive():
                 await self.evaluate(spec, event)  # the last version is scored too
-        if record.state.finished or version >= spec.steps:
+        if plan.reaction is Reaction.FORGET:
             return await self.forget(job)
-        if state.committed.version != version:
-            return  # an old announcement (redelivered): a newer version already exists
-        if (job, version) in self.sampling or await self.sampled_version(job) >= version:
-            return  # a repeat of the current one (a restarted trainer re-announces): never sampled twice
-        self.sampling.add((job, version))
+        if plan.reaction is not Reaction.SAMPLE:
+            return  # an old announcement, or a repeat of the current one: never sampled twice
+        self.sampling.add((job, version))  # no await since the plan: no other task slips in between
         try:
             await self.sample_and_publish(delivery, spec, event)
         finally:
             self.sampling.discard((job, version))
-
-    async def sampled_version(self, job: str) -> int:
-        """The last version of ``job`` whose batch rollout published (-1: none)."""
-        entry = await self.bus.kv_get(SAMPLED_BUCKET, job)
-        return int(entry.value) if entry else -1
 
     async def sample_and_publish(self, delivery: Delivery, spec: JobSpec, event: PolicyCommitted) -> None:
         """Sample the version's batch (in its round, under ``sync``), publish it, record it as
@@ -171,8 +171,8 @@ class Rollout:
                     batch = await self.sample_batch(spec, event)
                     await round_.sampled(job)  # the barrier: no round member trains before all sampled
             if batch is not None:
-                await self.publish(spec, version, batch)
-                await self.bus.kv_put(SAMPLED_BUCKET, job, str(version).encode())
+                await publish_batch(self.bus, self.store, job, version, batch)
+                await record_sampled(self.bus, job, version)
                 if spec.eval_every and version % spec.eval_every == 0:  # after the batch: the trainer
                     await self.evaluate(spec, event)  # works on it meanwhile; the next batch waits one eval
 
@@ -195,7 +195,7 @@ class Rollout:
             texts = [self.engine.tokenizer.decode(e.ids[len(e.prompt_ids):], skip_special_tokens=True)
                      for e in episodes]
             rewards = await self.rewards(spec, problems, [[t] for t in texts])
-        except (TaskError, PoisonMessage, TimeoutError) as exc:  # an eval never fails the training
+        except (TaskError, PoisonMessage, EventDecodeError, TimeoutError) as exc:  # an eval never fails the training
             log.warning("evaluation failed; training goes on", job=spec.id, version=version, error=str(exc))
             return
         score = sum(rewards) / len(rewards)
@@ -248,7 +248,12 @@ class Rollout:
 
     async def give_up(self, delivery: Delivery, exc: Exception) -> None:
         """An announcement that failed every attempt (or was poison): fail its job, not the service."""
-        event = POLICY.decode(delivery.data)
+        try:
+            event = POLICY.decode(delivery.data)
+        except EventDecodeError:
+            return  # not an announcement at all: no job to fail (the consume loop logged why)
+        if isinstance(exc, UnknownJob):
+            return  # no such job to fail
         await report_failure(self.bus, event.job, SERVICE,
                              f"sampling version {event.version} failed: {exc}", event.version)
 
@@ -308,26 +313,45 @@ class Rollout:
         request = RewardRequest(job=spec.id, task=spec.task, items=items, dataset=spec.dataset or "",
                                 corpus=spec.corpus or "")
         subject = reward_subject(spec.reward) if spec.reward else f"marlaas.reward.{spec.task}"
-        reply = REWARD.decode(await self.bus.request(subject, encode(request), 60.0))
+        data, limit = encode(request), self.bus.nc.max_payload
+        if len(data) > limit:  # never sendable: fail the job now rather than after every retry
+            raise PoisonMessage(
+                f"the reward request for {len(items)} completions is {len(data)} bytes, over the broker's "
+                f"max_payload ({limit} bytes): lower grpo.prompts_per_step, grpo.group_size or "
+                "grpo.max_new_tokens, or keep the dataset's records smaller")
+        reply = REWARD.decode(await self.bus.request(subject, data, self.config.rollout.reward_timeout_s))
         if reply.error:
             raise PoisonMessage(reply.error)
         if len(reply.rewards) != len(items):
             raise PoisonMessage(f"env returned {len(reply.rewards)} rewards for {len(items)} completions")
         return reply.rewards
 
-    async def publish(self, spec: JobSpec, version: int, batch: TrajectoryBatch) -> None:
-        batch_id = f"{spec.id}:v{version}"
-        event = TrajectoryReady(job=spec.id, version=version, batch_id=batch_id, batch=batch,
-                                sampled_at=time.time())
-        data = encode(event)
-        if len(data) > INLINE_BATCH_LIMIT:  # by reference: written fully before it is announced
-            ref = await asyncio.to_thread(
-                self.store.put_bytes, attempt_prefix("trajectories", spec.id, version) + "/batch.json",
-                encode(batch),
-            )
-            data = encode(TrajectoryReady(job=spec.id, version=version, batch_id=batch_id,
-                                          batch_ref=ref, sampled_at=event.sampled_at))
-        await self.bus.publish(f"marlaas.trajectory.ready.{spec.id}", data, msg_id=batch_id)
+
+
+async def sampled_version(bus: Bus, job: str) -> int:
+    """The last version of ``job`` whose batch rollout published (-1: none)."""
+    entry = await bus.kv_get(SAMPLED_BUCKET, job)
+    return int(entry.value) if entry else -1
+
+
+async def record_sampled(bus: Bus, job: str, version: int) -> None:
+    """Remember that ``version``'s batch is published: a repeated announcement samples nothing."""
+    await bus.kv_put(SAMPLED_BUCKET, job, str(version).encode())
+
+
+async def publish_batch(bus: Bus, store: ObjectStore, job: str, version: int, batch: TrajectoryBatch) -> None:
+    """Publish ``version``'s batch for the trainer, deduplicated by ``Nats-Msg-Id = <job>:v<version>``;
+    a batch bigger than ``INLINE_BATCH_LIMIT`` goes to the object store first and travels by reference."""
+    batch_id = f"{job}:v{version}"
+    event = TrajectoryReady(job=job, version=version, batch_id=batch_id, batch=batch, sampled_at=time.time())
+    data = encode(event)
+    if len(data) > INLINE_BATCH_LIMIT:  # by reference: written fully before it is announced
+        ref = await asyncio.to_thread(
+            store.put_bytes, attempt_prefix("trajectories", job, version) + "/batch.json", encode(batch),
+        )
+        data = encode(TrajectoryReady(job=job, version=version, batch_id=batch_id,
+                                      batch_ref=ref, sampled_at=event.sampled_at))
+    await bus.publish(f"marlaas.trajectory.ready.{job}", data, msg_id=batch_id)
 
 
 async def report_utilization(bus: Bus, engine: PolicyEngine, stop: asyncio.Event, every_s: float = 2.0) -> None:

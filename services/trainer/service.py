@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
+import signal
 import time
 
 import structlog
@@ -32,11 +34,20 @@ log = structlog.get_logger("trainer")
 SERVICE = "trainer"
 
 
+def maybe_crash(probability: float, point: str) -> None:
+    """Chaos runs only (``trainer.fault_crash_p``): die by SIGKILL at one of the two points a
+    crash is hardest to survive, adapter written but not committed, committed but not announced."""
+    if probability and random.random() < probability:
+        log.warning("fault injection: crashing", point=point)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Trainer:
     """Applies GRPO updates for whichever job's batch is next in the FIFO."""
 
-    def __init__(self, bus: Bus, store: ObjectStore, policy: PolicyTrainer) -> None:
+    def __init__(self, bus: Bus, store: ObjectStore, policy: PolicyTrainer, fault_crash_p: float = 0.0) -> None:
         self.bus, self.store, self.policy = bus, store, policy
+        self.fault_crash_p = fault_crash_p
 
     async def reannounce_committed(self) -> None:
         """Crash recovery: announce every committed version (NATS dedups the ones already out)."""
@@ -79,6 +90,9 @@ class Trainer:
                     self.policy.evict(job)
                     await self._fail(job, version, f"non-finite update, not committed: {exc}")
                     return await delivery.term()
+                except Exception:  # the step may have moved the in-memory weights: never train on them
+                    self.policy.evict(job)
+                    raise
             attrs["adapter_version"] = adapter_version
             attrs.update({k: v for k, v in result.metrics.items()})
         log.info("trained", job=job, version=version, batch_id=event.batch_id,
@@ -92,7 +106,9 @@ class Trainer:
         async with span(self.bus, SERVICE, "commit", job, version + 1):
             try:
                 new = await asyncio.to_thread(self._write, committed, result, event.batch_id)
+                maybe_crash(self.fault_crash_p, "written, not committed")
                 await self.bus.kv_update(VERSIONS_BUCKET, job, encode(new), state.revision)
+                maybe_crash(self.fault_crash_p, "committed, not announced")
             except StaleRevision:
                 self.policy.evict(job)  # someone else committed v+1: our result is an orphan
                 log.warning("lost the commit race; batch terminated", job=job, version=version + 1)
@@ -154,7 +170,7 @@ async def run(rt: Runtime) -> None:
         PolicyTrainer, cfg.base_model_dir, cfg.trainer.device, cfg.trainer.hot_adapters,
         cfg.trainer.micro_batch_tokens,
     )
-    trainer = Trainer(rt.bus, rt.store, policy)
+    trainer = Trainer(rt.bus, rt.store, policy, cfg.trainer.fault_crash_p)
     await trainer.reannounce_committed()
     rt.ready()
     log.info("ready", device=cfg.trainer.device, base_model=str(cfg.base_model_dir))

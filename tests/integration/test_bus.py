@@ -9,6 +9,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+import nats.errors
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
@@ -251,6 +252,76 @@ async def test_consume_loop_survives_server_restart_without_losing_acked_message
         assert set(unacked) <= {1, 2}
     else:
         assert unacked == [2, 2]
+
+
+# --- a lost ack (what a leader election does) --------------------------------------------
+
+
+def first_publish_times_out(bus: Bus, monkeypatch, reaches_the_stream: bool, meanwhile=None) -> list:
+    """Make the bus's first JetStream publish time out, after it was stored or before it was
+    sent (then ``meanwhile`` runs first, e.g. another writer); return the publishes made."""
+    real, calls = bus.js.publish, []
+
+    async def publish(subject, payload=b"", **kwargs):
+        calls.append(subject)
+        if len(calls) > 1:
+            return await real(subject, payload, **kwargs)
+        if reaches_the_stream:
+            await real(subject, payload, **kwargs)
+        elif meanwhile is not None:
+            await meanwhile()
+        raise nats.errors.TimeoutError
+
+    monkeypatch.setattr(bus.js, "publish", publish)
+    return calls
+
+
+async def test_a_publish_whose_ack_was_lost_is_repeated_and_stored_once(bus, monkeypatch):
+    calls = first_publish_times_out(bus, monkeypatch, reaches_the_stream=True)
+    assert await bus.publish(JOB_SUBJECT, b"once") is True  # the repeat's duplicate is its own
+    assert len(calls) == 2 and await stream_messages(bus, "JOBS") == 1
+
+
+async def test_a_compare_and_set_whose_ack_was_lost_is_not_taken_for_a_lost_race(bus, monkeypatch):
+    rev0 = await bus.kv_create("versions", "acme.j1", b"v0")
+    calls = first_publish_times_out(bus, monkeypatch, reaches_the_stream=True)
+    # the repeat is refused (the key moved: by this very write), and the key's next revision is it
+    rev1 = await bus.kv_update("versions", "acme.j1", b"v1", revision=rev0)
+    assert len(calls) == 2
+    assert await bus.kv_get("versions", "acme.j1") == KvEntry(b"v1", rev1)
+    assert (await bus.js.stream_info("KV_versions")).state.messages == 2  # v0 and v1, once
+
+
+async def test_a_compare_and_set_that_lost_while_timing_out_raises_stale_revision(bus, monkeypatch):
+    rev0 = await bus.kv_create("versions", "acme.j1", b"v0")
+    other = await Bus.connect(bus.nc.connected_url.geturl(), name="other-writer")
+
+    async def the_other_writer_wins() -> None:
+        await other.kv_update("versions", "acme.j1", b"v1 by the other", revision=rev0)
+
+    calls = first_publish_times_out(bus, monkeypatch, reaches_the_stream=False,
+                                    meanwhile=the_other_writer_wins)
+    try:
+        with pytest.raises(StaleRevision):
+            await bus.kv_update("versions", "acme.j1", b"v1 by us", revision=rev0)
+    finally:
+        await other.close()
+    assert len(calls) == 2  # repeated once after the timeout, then refused: never blindly again
+    assert (await bus.kv_get("versions", "acme.j1")).value == b"v1 by the other"
+
+
+async def test_a_deleted_durable_consumer_is_added_again(bus):
+    handled = []
+
+    async def handle(delivery: Delivery) -> None:
+        handled.append(delivery.data)
+
+    async with consuming(bus, "TRAJ", "trainer", TRAJ_SUBJECT, handle):
+        await bus.publish(TRAJ_SUBJECT, b"before")
+        await eventually(lambda: handled == [b"before"], what="the first message")
+        await bus.js.delete_consumer("TRAJ", "trainer")  # nats-py alone would fetch in vain for ever
+        await bus.publish(TRAJ_SUBJECT, b"after")
+        await eventually(lambda: handled == [b"before", b"after"], timeout_s=15, what="the consumer back")
 
 
 # --- request / reply -----------------------------------------------------------------------

@@ -222,3 +222,37 @@ def test_open_store_picks_the_backend_by_url(tmp_path, s3_server, monkeypatch):
 def test_open_store_rejects_bad_urls(url, reason):
     with pytest.raises(ValueError, match=reason):
         open_store(url)
+
+
+def test_a_file_store_listing_survives_folders_deleted_while_it_walks(tmp_path):
+    """The manager collects several jobs' garbage at once: one job's listing must not fail when
+    another job's folder disappears under it (rglob over the whole store raised FileNotFoundError)."""
+    import threading
+
+    store = FileStore(tmp_path / "store")
+    kept = [f"trajectories/acme.keep/v{v:06d}/a/batch.json" for v in range(3)]
+    for key in kept:
+        store.put_bytes(key, b"kept")
+    stop, errors = threading.Event(), []
+
+    def churn() -> None:  # what another job's writer and collector do meanwhile
+        n = 0
+        while not stop.is_set():
+            for v in range(20):
+                store.put_bytes(f"trajectories/acme.gone/v{v:06d}/{n}/batch.json", b"x")
+            store.delete_prefix("trajectories/acme.gone/")
+            n += 1
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(300):
+            try:
+                assert store.list("trajectories/acme.keep/") == kept
+                assert set(kept) <= set(store.list())  # the whole store too, while folders vanish
+            except FileNotFoundError as exc:
+                errors.append(exc)
+    finally:
+        stop.set()
+        thread.join()
+    assert errors == []

@@ -22,6 +22,8 @@ pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]
 MARLAAS_SERVICES = ("manager", "rollout", "env", "trainer")
 WORKERS = ("rollout", "env", "trainer")  # scaled with replicas
+NATS_NODES = ("nats-1", "nats-2", "nats-3")  # profile `ha`: the cluster
+HA_SERVICES = ("manager", "rollout", "env", "trainer", "gateway")  # each has a `<name>-ha` twin
 COMPOSE_ENV = {"MARLAAS_NATS_PASSWORD": "test-password"}  # what an operator must set
 VARIABLE = re.compile(r"\$\$|\$\{(?P<name>\w+)(?:(?P<op>:[-?])(?P<arg>[^}]*))?\}")
 
@@ -142,10 +144,11 @@ def test_env_vars_point_at_defined_hosts_and_ports(services):
         for var, value in service.get("environment", {}).items():
             if not re.match(r"(MARLAAS_NATS_URL|MARLAAS_S3_ENDPOINT|MINIO_URL)$", var):
                 continue
-            host, port = host_and_port(value)
-            assert host in services, f"{name}: {var}={value} names no service"
-            assert port in exposed_ports(services[host]), f"{name}: {var}={value}: port not exposed"
-            assert host in dependencies(services, name), f"{name} uses {host} without waiting"
+            for one in natsauth.server_urls(value):  # a cluster's URL lists each node
+                host, port = host_and_port(one)
+                assert host in services, f"{name}: {var}={one} names no service"
+                assert port in exposed_ports(services[host]), f"{name}: {var}={one}: port not exposed"
+                assert host in dependencies(services, name), f"{name} uses {host} without waiting"
 
 
 def test_nats_and_minio_are_what_the_env_says(services):
@@ -315,3 +318,84 @@ def test_nats_server_accepts_the_broker_config_with_its_rendered_users(compose, 
     assert tenant_hash in text and "marlaas.tool.acme.>" in text
     assert natsauth.with_services_password(text, "second") == text
     accepted()
+
+
+# --- profile `ha`: a three-node JetStream cluster and the services on it ------------------------
+
+
+def cluster_conf(compose: dict, services: dict) -> str:
+    [text] = {config_content(compose, services[node], "/etc/nats/marlaas.conf") for node in NATS_NODES}
+    return text
+
+
+def test_ha_nodes_are_configured_like_nats_with_a_cluster_block(compose, services):
+    single = config_content(compose, services["nats"], "/etc/nats/marlaas.conf")
+    conf = cluster_conf(compose, services)
+    block = re.search(r"^cluster \{$(.*?)^\}$", conf, re.M | re.S)[1]
+    assert re.sub(r"^cluster \{$.*?^\}$\n", "", conf, flags=re.M | re.S).split("include")[0] == (
+        single.split("include")[0])  # listen, monitoring, max_payload, jetstream with sync_interval: always
+    include = re.compile(r'^include "([^"]+)"', re.M)
+    assert include.search(conf)[1] == include.search(single)[1]
+    cluster_port = int(re.search(r"listen:\s*\S+:(\d+)", block)[1])
+    user = re.search(r"user:\s*(\S+)", block)[1]
+    password = re.search(r'password:\s*"([^"]+)"', block)[1]
+    assert password == COMPOSE_ENV["MARLAAS_NATS_PASSWORD"]  # no route joins without it
+    routes = [urlparse(r) for r in re.findall(r'"(nats-route://[^"]+)"', block)]
+    assert sorted(r.hostname for r in routes) == list(NATS_NODES)
+    assert all((r.username, r.password, r.port) == (user, password, cluster_port) for r in routes)
+    names, volumes = set(), set()
+    for node in NATS_NODES:
+        service = services[node]
+        assert service["profiles"] == ["ha"] and service["image"] == services["nats"]["image"]
+        words = command_line(service)
+        names.add(words[words.index("--name") + 1])
+        assert cluster_port in exposed_ports(service) and 4222 in exposed_ports(service)
+        mounts = dict(reversed(v.split(":")[:2]) for v in service["volumes"])
+        assert mounts["/data"] in compose["volumes"]
+        volumes.add(mounts["/data"])
+        assert mounted_volume(service, nats_auth_path(compose, services)) == "nats-auth"  # users shared
+        assert service["depends_on"]["nats-auth-init"]["condition"] == "service_completed_successfully"
+    assert names == set(NATS_NODES) and len(volumes) == 3 and "nats-data" not in volumes
+
+
+def test_ha_services_run_the_same_commands_on_every_node_with_three_copies(services, compose, tmp_path):
+    for name in HA_SERVICES:
+        single, twin = services[name], services[f"{name}-ha"]
+        assert twin["profiles"] == ["ha"] and command_line(twin) == command_line(single)
+        assert {k: v for k, v in twin.items() if k not in ("environment", "depends_on", "profiles")} == (
+            {k: v for k, v in single.items() if k not in ("environment", "depends_on")})
+        env = twin["environment"]
+        servers = natsauth.server_urls(env["MARLAAS_NATS_URL"])
+        assert sorted(host_and_port(url)[0] for url in servers) == list(NATS_NODES)
+        assert {natsauth.url_credentials(url) for url in servers} == {
+            ("services", COMPOSE_ENV["MARLAAS_NATS_PASSWORD"])}
+        assert set(NATS_NODES) <= set(twin["depends_on"])
+        assert "nats" not in dependencies(services, f"{name}-ha")  # the single server stays off
+        words = command_line(twin)
+        toml = tmp_path / f"{name}.toml"
+        toml.write_text(config_content(compose, twin, words[words.index("--config") + 1]))
+        config = load_config(toml, env=env)
+        assert config.nats_replicas == 3 and config.nats_url == env["MARLAAS_NATS_URL"]
+    admin = services["admin-ha"]
+    assert natsauth.server_urls(admin["environment"]["MARLAAS_NATS_URL"]) == servers
+    auth_file = services["admin"]["environment"]["MARLAAS_NATS_AUTH_FILE"]
+    assert admin["environment"]["MARLAAS_NATS_AUTH_FILE"] == auth_file
+    host_ports = [p for node in NATS_NODES for p in services[node]["ports"]]
+    assert len(set(host_ports)) == 3  # tools on the host reach each node
+
+
+def test_nats_server_accepts_the_cluster_config(compose, services, tmp_path):
+    main = tmp_path / "marlaas.conf"
+    main.write_text(cluster_conf(compose, services))
+    auth = tmp_path / nats_auth_path(compose, services).relative_to("/etc/nats")
+    natsauth.write_auth_conf(auth, natsauth.render_auth(natsauth.bcrypt_hash("pw"), []))
+    done = subprocess.run([find_server_binary(), "-c", str(main), "--name", "nats-1", "-t"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_header_says_how_to_start_the_ha_profile():
+    header = (ROOT / "docker-compose.yml").read_text().split("\nname:")[0]
+    assert "docker compose --profile ha up -d " + " ".join(f"{n}-ha" for n in ("manager", "rollout", "env",
+                                                                              "trainer", "gateway")) in header
+    assert "docker compose kill -s HUP nats-1 nats-2 nats-3" in header

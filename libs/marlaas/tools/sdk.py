@@ -43,7 +43,7 @@ import msgspec
 import nats
 import structlog
 
-from marlaas.bus import Bus
+from marlaas.bus import Bus, connect_options
 from marlaas.events import (
     REWARD,
     TOOL,
@@ -416,9 +416,8 @@ async def _connect(url: str, tenant: str, stop: asyncio.Event) -> Bus:
         refused_since.clear()
 
     connecting = asyncio.ensure_future(nats.connect(
-        servers=[url], name=f"tools-{tenant}", inbox_prefix=inbox_prefix(tenant),
-        allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=0.25,
-        connect_timeout=2, error_cb=on_error, reconnected_cb=on_reconnected,
+        **connect_options(url), name=f"tools-{tenant}", inbox_prefix=inbox_prefix(tenant),
+        error_cb=on_error, reconnected_cb=on_reconnected,
     ))
     await asyncio.wait([connecting, refused_at_first], timeout=10.0,
                        return_when=asyncio.FIRST_COMPLETED)

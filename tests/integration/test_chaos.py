@@ -1,0 +1,21 @@
+"""The chaos run (libs/marlaas/bench/chaos.py) at its smallest passing size: four jobs, at least
+20 SIGKILLs of trainer, rollout, env and manager (the trainer also dies between adapter write and
+commit, and between commit and announcement), two nats-server restarts; nothing lost, nothing
+repeated, nothing orphaned. ``python benchmarks/chaos.py`` runs longer ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from marlaas.bench.chaos import run_chaos
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_chaos_kills_lose_no_version_repeat_no_batch_and_leave_no_orphan(tmp_path):
+    result = run_chaos(jobs=4, steps=12, min_kills=20, nats_restarts=2, seed=1, home=tmp_path / "home",
+                       timeout_s=1500)
+    print(result)
+    assert result["problems"] == []
+    assert result["service_kills"] >= 20 and result["nats_restarts"] == 2
+    assert set(result["kills"]) >= {"trainer", "rollout", "env", "manager"}

@@ -1,0 +1,223 @@
+"""The manager's error branches, with the fault injected at exactly its point.
+
+The manager class runs in the test against a real nats-server and a ``file://`` store; its
+handlers are driven through the bus as in the service (request/reply, durable consumers).
+Faults: an object store that refuses writes (version 0 cannot be stored), a JetStream stream
+whose message-size limit the server enforces (the record or the event cannot be written), and
+the final version's announcement delivered twice, or again to a restarted manager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+
+from marlaas import api
+from marlaas.adapters import write_adapter
+from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
+from marlaas.commits import policy_subject
+from marlaas.config import load_config
+from marlaas.events import (
+    COMMITTED, JOB, JOB_RECORD, POLICY, CommittedVersion, JobRecord, JobSpec, JobState, JobStateChanged,
+    PolicyCommitted, encode,
+)
+from marlaas.store import FileStore
+from services.manager.service import Manager, _reply
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class RefusingStore(FileStore):
+    """A file store whose disk is full (writes fail) until ``refusing`` is cleared."""
+
+    refusing = True
+
+    def put_bytes(self, key: str, data: bytes):
+        if self.refusing:
+            raise OSError(28, "No space left on device")
+        return super().put_bytes(key, data)
+
+
+def submission(name: str, **fields) -> bytes:
+    return msgspec.json.encode({"name": name, "task": "addition", "steps": 2, "tenant": "acme", **fields})
+
+
+async def manager_on(bus: Bus, store, tmp_path) -> Manager:
+    config = load_config(overrides={"home": str(tmp_path / "home")}, env={})
+    return await asyncio.to_thread(Manager, bus, store, config)
+
+
+async def record_of(bus: Bus, job: str) -> JobRecord | None:
+    entry = await bus.kv_get(JOBS_BUCKET, job)
+    return JOB_RECORD.decode(entry.value) if entry else None
+
+
+async def state_events(bus: Bus, job: str) -> list[JobStateChanged]:
+    return [JOB.decode(d) for d in await bus.read_all("JOBS", f"marlaas.job.state.{job}")]
+
+
+async def eventually(predicate, timeout_s: float = 30.0, what: str = ""):
+    """Poll ``predicate`` (sync or async) until it is truthy; return its value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = predicate()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
+        await asyncio.sleep(0.1)
+
+
+async def set_max_msg_size(bus: Bus, stream: str, size: int) -> None:
+    """Make the server refuse messages over ``size`` bytes on ``stream`` (-1: no limit)."""
+    config = (await bus.js.stream_info(stream)).config
+    config.max_msg_size = size
+    await bus.js.update_stream(config)
+
+
+# --- admission ------------------------------------------------------------------------------
+
+
+async def test_a_failing_admission_says_why_on_the_record_and_is_retried_until_it_succeeds(bus, tmp_path):
+    store = RefusingStore(tmp_path / "store")
+    manager = await manager_on(bus, store, tmp_path)
+    stop = asyncio.Event()
+    admitting = asyncio.create_task(manager.keep_admitting(stop, every_s=0.5))
+    try:
+        first = await manager.submit(submission("first"))
+        second = await manager.submit(submission("second"))
+        assert first.id and second.id and not first.error  # accepted: queued, not refused
+
+        record = await record_of(bus, first.id)
+        assert record.state is JobState.QUEUED
+        assert record.reason == ("not admitted yet: admission failed (OSError: [Errno 28] No space left on "
+                                 "device); retrying")
+        (view,) = (await manager.status(msgspec.json.encode({"job": first.id}))).jobs
+        assert view.state == "queued" and "No space left on device" in view.reason  # users see it
+        (event,) = await state_events(bus, first.id)  # watchers hear it once, not at every retry
+        assert event.state is JobState.QUEUED and event.reason == record.reason
+        assert (await record_of(bus, second.id)).state is JobState.QUEUED  # FIFO: it waits behind
+        assert await bus.kv_get(VERSIONS_BUCKET, first.id) is None
+
+        store.refusing = False  # the disk has room again: the next pass admits both
+        for job in (first.id, second.id):
+            record = await eventually(lambda job=job: _running(bus, job), what=f"{job} admitted")
+            assert record.reason == ""  # cleared on admission
+            assert COMMITTED.decode((await bus.kv_get(VERSIONS_BUCKET, job)).value).version == 0
+            announced = [POLICY.decode(d).version for d in await bus.read_all("POLICY", policy_subject(job))]
+            assert announced == [0]
+        assert [(e.state, e.reason) for e in await state_events(bus, first.id)][-1] == (JobState.RUNNING, "")
+    finally:
+        stop.set()
+        await admitting
+
+
+async def _running(bus: Bus, job: str) -> JobRecord | None:
+    record = await record_of(bus, job)
+    return record if record is not None and record.state is JobState.RUNNING else None
+
+
+# --- submission -----------------------------------------------------------------------------
+
+
+async def test_a_submit_whose_record_cannot_be_written_gets_a_clear_error_and_creates_nothing(
+        bus, file_store, tmp_path):
+    manager = await manager_on(bus, file_store, tmp_path)
+    await bus.serve(api.SUBMIT, "manager", _reply(manager.submit))
+
+    async def submit(name: str) -> api.SubmitReply:  # as a client does: request/reply over the bus
+        data = await bus.request(api.SUBMIT, submission(name), timeout_s=10)
+        return msgspec.json.decode(data, type=api.SubmitReply)
+
+    await set_max_msg_size(bus, "KV_jobs", 64)  # the server refuses the record itself
+    refused = await submit("no-record")
+    assert refused.code == api.UNAVAILABLE and not refused.id
+    assert refused.error.startswith("the job could not be recorded (")
+    assert refused.error.endswith("nothing was created: submit it again")
+    assert "message size exceeds maximum allowed" in refused.error  # the broker's own words
+
+    await set_max_msg_size(bus, "KV_jobs", -1)
+    await set_max_msg_size(bus, "JOBS", 64)  # the record is written, its announcement refused
+    unannounced = await submit("no-event")
+    assert unannounced.code == api.UNAVAILABLE and "nothing was created" in unannounced.error
+
+    assert await bus.kv_keys(JOBS_BUCKET) == []  # neither left a record...
+    assert await manager.unfinished_records() == []  # ... nor a job the manager would admit
+    assert await bus.read_all("JOBS", "marlaas.job.>") == []
+
+    await set_max_msg_size(bus, "JOBS", -1)  # healthy again: the same submission goes through
+    accepted = await submit("no-record")
+    assert accepted.id and not accepted.error
+    assert await bus.kv_keys(JOBS_BUCKET) == [accepted.id]
+
+
+# --- the final version's announcement, repeated ---------------------------------------------
+
+
+async def committed_job(bus: Bus, store, name: str, steps: int, record_version: int,
+                        state: JobState = JobState.RUNNING) -> PolicyCommitted:
+    """A job whose trainer committed version ``steps`` (the last) while its record says
+    ``record_version``; returns the last version's announcement."""
+    spec = JobSpec(id=f"acme.{name}", tenant="acme", name=name, task="addition", steps=steps,
+                   submitted_at=time.time())
+    await bus.kv_create(JOBS_BUCKET, spec.id, encode(JobRecord(
+        spec=spec, state=state, version=record_version, rewards=[0.5] * max(record_version, 0))))
+    adapter = await asyncio.to_thread(write_adapter, store, spec.id, steps, b"{}", b"weights")
+    await bus.kv_create(VERSIONS_BUCKET, spec.id, encode(CommittedVersion(
+        job=spec.id, version=steps, adapter=adapter, batch_id=f"{spec.id}:v{steps - 1}", committed_at=time.time())))
+    return PolicyCommitted(job=spec.id, version=steps, adapter=adapter, batch_id=f"{spec.id}:v{steps - 1}",
+                           metrics={"reward/mean": 0.75}, committed_at=time.time())
+
+
+async def consume_policy(bus: Bus, manager: Manager, stop: asyncio.Event) -> asyncio.Task:
+    return asyncio.create_task(bus.consume("POLICY", "manager", "marlaas.policy.committed.>", manager.on_policy,
+                                           stop=stop))
+
+
+async def stop_manager(manager: Manager, stop: asyncio.Event, consuming: asyncio.Task) -> None:
+    """Stop consuming, then let the manager's background work (garbage collection) finish."""
+    stop.set()
+    await consuming
+    await asyncio.gather(*list(manager._background))
+
+
+async def test_the_final_announcement_twice_or_after_a_restart_completes_the_job_once(bus, file_store, tmp_path):
+    twice = await committed_job(bus, file_store, "twice", steps=2, record_version=1)
+    # a manager that died after recording the last version but before marking the job completed
+    crashed = await committed_job(bus, file_store, "crashed", steps=2, record_version=2)
+
+    manager, stop = await manager_on(bus, file_store, tmp_path), asyncio.Event()
+    consuming = await consume_policy(bus, manager, stop)
+    for _ in range(2):  # without Nats-Msg-Id: a repeat the duplicate window would not catch
+        await bus.publish(policy_subject(twice.job), encode(twice))
+    await eventually(lambda: _completed(bus, twice.job), what="completed")
+    await asyncio.sleep(1.0)  # the repeat is handled too
+    await stop_manager(manager, stop, consuming)
+
+    # a restarted manager: the announcement is delivered again (a trainer re-announces on its
+    # restart), and the crashed manager's unacknowledged one reaches it for the first time
+    manager, stop = await manager_on(bus, file_store, tmp_path), asyncio.Event()
+    consuming = await consume_policy(bus, manager, stop)
+    await bus.publish(policy_subject(twice.job), encode(twice))
+    await bus.publish(policy_subject(crashed.job), encode(crashed))
+    await eventually(lambda: _completed(bus, crashed.job), what="the crashed manager's job completed")
+    await asyncio.sleep(1.0)
+    await stop_manager(manager, stop, consuming)
+
+    for event, rewards in ((twice, [0.5, 0.75]), (crashed, [0.5, 0.5])):
+        record = await record_of(bus, event.job)
+        assert record.state is JobState.COMPLETED and record.version == 2
+        assert record.rewards == rewards  # the last version's reward recorded once
+        states = [e.state for e in await state_events(bus, event.job)]
+        assert states == [JobState.COMPLETED], states  # completed exactly once
+    info = await bus.js.consumer_info("POLICY", "manager")
+    assert info.num_pending == 0 and info.num_ack_pending == 0
+
+
+async def _completed(bus: Bus, job: str) -> bool:
+    record = await record_of(bus, job)
+    return record is not None and record.state is JobState.COMPLETED
