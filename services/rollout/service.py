@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 import os
 import shutil
 import time
@@ -285,6 +286,9 @@ class Rollout:
             attrs["rewards_sha"] = digest([round(r, 6) for r in rewards])
         samples = [e.to_sample(group=k // grpo.group_size, reward=r, text=t)
                    for k, (e, r, t) in enumerate(zip(episodes, rewards, texts))]
+        if not all(math.isfinite(lp) for s in samples for lp in s.logprobs):  # JSON would carry null:
+            raise PoisonMessage(f"the engine returned a non-finite logprob at version {version}; "  # unreadable
+                                "the batch is not published")
         return TrajectoryBatch(samples=samples, policy_version=self.engine.loaded_version(spec.id),
                                metrics=metrics)
 

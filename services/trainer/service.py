@@ -22,7 +22,7 @@ from marlaas.adapters import attempt_prefix, read_adapter, write_adapter
 from marlaas.commits import announce, read_job, report_failure
 from marlaas.bus import VERSIONS_BUCKET, Bus, Delivery, StaleRevision
 from marlaas.events import (
-    BATCH, COMMITTED, TRAJECTORY, CommittedVersion, JobSpec,
+    BATCH, COMMITTED, TRAJECTORY, CommittedVersion, EventDecodeError, JobSpec,
     TrajectoryBatch, TrajectoryReady, encode,
 )
 from marlaas.runtime import Runtime
@@ -150,7 +150,10 @@ class Trainer:
 
     async def give_up(self, delivery: Delivery, exc: Exception) -> None:
         """A batch that failed every attempt (or was poison): fail its job rather than stall it."""
-        event = TRAJECTORY.decode(delivery.data)
+        try:
+            event = TRAJECTORY.decode(delivery.data)
+        except EventDecodeError:  # not a batch at all: no job to fail (the consume loop logged why);
+            return  # rollout never publishes one it could not read back (see its non-finite check)
         self.policy.evict(event.job)
         await self._fail(event.job, event.version,
                          f"batch {event.batch_id} failed after {delivery.num_delivered} attempts: {exc}")
