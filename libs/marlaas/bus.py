@@ -354,14 +354,20 @@ class Bus:
         sub = await self.js.pull_subscribe(subject, stream=stream)
         found: list[bytes] = []
         try:
-            while True:
+            if (await sub.consumer_info()).num_pending == 0:  # nothing stored under ``subject``
+                return found
+            while True:  # until nothing is pending, not until a fetch is slow (a loaded machine)
                 try:
-                    msgs = await sub.fetch(512, timeout=0.5)
+                    msgs = await sub.fetch(512, timeout=2.0)
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                    return found
+                    if (await sub.consumer_info()).num_pending == 0:
+                        return found
+                    continue
                 for msg in msgs:
                     found.append(msg.data)
                     await msg.ack()
+                if msgs[-1].metadata.num_pending == 0:
+                    return found
         finally:
             await sub.unsubscribe()
 

@@ -133,7 +133,13 @@ def weights(store: FileStore, version: CommittedVersion) -> dict[str, torch.Tens
 
 
 def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    """The same update, up to float noise. A weight whose gradient is ~0 moves by a noise-driven
+    share of lr in AdamW's first steps (the update is g / (|g| + eps)), so a few elements may
+    differ; two different updates differ in most of them."""
+    if a.keys() != b.keys():
+        return False
+    off = sum(int((~torch.isclose(a[k], b[k], rtol=0, atol=1e-6)).sum()) for k in a)
+    return off <= 0.005 * sum(t.numel() for t in a.values())
 
 
 def reference_step(store: FileStore, start: CommittedVersion, batch: TrajectoryBatch) -> dict[str, torch.Tensor]:
