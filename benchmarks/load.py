@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -80,6 +81,10 @@ def plot(series, waves, out: Path) -> Path:
     return path
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=32)
@@ -87,6 +92,7 @@ def main() -> None:
     parser.add_argument("--waves", type=int, default=2)
     parser.add_argument("--out", default="bench-results/load")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, _interrupt)  # a stopped benchmark stops the stack it runs
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console = Console()
