@@ -52,3 +52,15 @@ def kill_group(pgid: int, sig: int = signal.SIGKILL, wait_s: float = 10.0) -> No
     if group_alive(pgid) and sig != signal.SIGKILL:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
+
+
+def end_own_group() -> None:
+    """At a service's exit: SIGTERM whatever is left in its process group (a vLLM engine core
+    its parent could not shut down, e.g. when the launcher died mid-load), but only when this
+    process leads the group (started by the launcher, in its own session): in a shell's job
+    the group is the user's pipeline, not ours."""
+    if os.getpgrp() != os.getpid():
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(os.getpgrp(), signal.SIGTERM)

@@ -16,6 +16,7 @@ from pathlib import Path
 from marlaas.bus import Bus
 from marlaas.config import Config, load_config, read_config_json
 from marlaas.logs import setup_logging
+from marlaas.processes import end_own_group
 from marlaas.store import ObjectStore, open_store
 
 
@@ -69,4 +70,7 @@ def run_service(name: str, argv: list[str] | None = None) -> None:
             await bus.close()
             log.info("stopped")
 
-    asyncio.run(amain())
+    try:
+        asyncio.run(amain())
+    finally:
+        end_own_group()  # no child (a vLLM engine core) outlives the service
