@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from marlaas.bench.runner import RssSampler, _run_jobs, bench_stack, warm_up
+from marlaas.bench.progress import step_bars
+from marlaas.bench.runner import RssSampler, bench_stack, run_jobs, warm_up
 
 TASKS = ("addition", "reverse", "repeat")
 SETTLE_S = 5.0  # after a wave: let the services free what the finished jobs held
@@ -97,20 +97,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     console = Console()
     waves, after, completed, steps_per_hour = [], [], [], []
-    with bench_stack({}, args.jobs) as stack, Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
-            TimeElapsedColumn(), console=console) as bar:
-        rows: dict[str, int] = {}
-
-        def progress(label: str, done: int, total: int) -> None:
-            if label not in rows:
-                rows[label] = bar.add_task(label, total=total)
-            bar.update(rows[label], completed=done, total=total)
-
+    with bench_stack({}, args.jobs) as stack, step_bars(console) as progress:
         warm_up(stack, [{"name": f"warm-{t}", "task": t, "seed": 99} for t in TASKS], "warm-up", progress)
         with RssSeries(stack) as rss:
             for wave in range(args.waves):
-                views, start, end = asyncio.run(_run_jobs(
+                views, start, end = asyncio.run(run_jobs(
                     stack.nats_url, jobs_of(wave, args.jobs, args.steps), f"wave {wave + 1}", progress, 3600.0))
                 waves.append((start, end))
                 completed.append(sum(v["state"] == "completed" for v in views))

@@ -312,9 +312,9 @@ def cmd_report(args, config) -> int:
 def cmd_bench(args, config) -> int:
     from rich.console import Console
     from rich.markdown import Markdown
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from marlaas.bench.plots import write_plots
+    from marlaas.bench.progress import step_bars
     from marlaas.bench.report import check_targets, markdown_report
     from marlaas.bench.runner import run_benchmark
     from marlaas.bench.workload import BASELINE_LOOP, MODES, load_workload
@@ -328,15 +328,7 @@ def cmd_bench(args, config) -> int:
     out.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _interrupt)  # a stopped benchmark stops the stack it runs
     console = Console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
-                  TimeElapsedColumn(), console=console) as bar:
-        rows: dict[str, int] = {}
-
-        def progress(label: str, done: int, total: int) -> None:
-            if label not in rows:
-                rows[label] = bar.add_task(label, total=total)
-            bar.update(rows[label], completed=done, total=total)
-
+    with step_bars(console) as progress:
         result = run_benchmark(workload, modes, args.quick, progress, base_model=config.base_model)
     (out / "results.json").write_bytes(msgspec.json.format(msgspec.json.encode(result)))
     report = markdown_report(result, workload.targets)

@@ -25,6 +25,7 @@ from marlaas.events import (
     PolicyCommitted, encode,
 )
 from marlaas.store import FileStore
+from polling import eventually
 from services.manager.service import Manager, _reply
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,19 +58,6 @@ async def record_of(bus: Bus, job: str) -> JobRecord | None:
 
 async def state_events(bus: Bus, job: str) -> list[JobStateChanged]:
     return [JOB.decode(d) for d in await bus.read_all("JOBS", f"marlaas.job.state.{job}")]
-
-
-async def eventually(predicate, timeout_s: float = 30.0, what: str = ""):
-    """Poll ``predicate`` (sync or async) until it is truthy; return its value."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = predicate()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
-        await asyncio.sleep(0.1)
 
 
 async def set_max_msg_size(bus: Bus, stream: str, size: int) -> None:

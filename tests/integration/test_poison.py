@@ -28,6 +28,7 @@ from marlaas.events import (
     JOB_RECORD, CommittedVersion, EvalPoint, JobEvaluated, JobFailureReported, JobRecord, JobSpec, JobState,
     PolicyCommitted, Sample, TrajectoryBatch, TrajectoryReady, encode,
 )
+from polling import eventually
 from services.manager.service import Manager, _reply
 
 pytestmark = pytest.mark.timeout(180)
@@ -57,18 +58,6 @@ async def watch_terminations(bus: Bus) -> list[tuple[str, int]]:
     await bus.nc.subscribe(TERMINATED, cb=advisory)
     await bus.nc.flush()
     return seen
-
-
-async def eventually(predicate, timeout_s: float = 30.0, what: str = ""):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = predicate()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
-        await asyncio.sleep(0.1)
 
 
 async def record_of(bus: Bus, job: str) -> JobRecord:

@@ -70,7 +70,7 @@ class RssSampler:
         self._thread.join()
 
 
-async def _run_jobs(url: str, submissions: list[dict], label: str, progress: Progress | None,
+async def run_jobs(url: str, submissions: list[dict], label: str, progress: Progress | None,
                     timeout_s: float) -> tuple[list[dict], float, float]:
     client = await Client.connect(url)
     try:
@@ -122,7 +122,7 @@ def measure(stack: Stack, submissions: list[dict], label: str, progress: Progres
             timeout_s: float = 3600.0) -> dict:
     """Submit ``submissions`` at once, wait for all, and return the run's figures."""
     with RssSampler(stack) as rss:
-        jobs, start, end = asyncio.run(_run_jobs(stack.nats_url, submissions, label, progress, timeout_s))
+        jobs, start, end = asyncio.run(run_jobs(stack.nats_url, submissions, label, progress, timeout_s))
     spans = asyncio.run(_spans(stack.nats_url))
     ids = {j["id"] for j in jobs}  # the run ends with its last commit, not the last poll
     end = max((s.end for s in spans if s.job in ids and s.phase == "commit"), default=end)
@@ -134,7 +134,7 @@ def warm_up(stack: Stack, submissions: list[dict], label: str, progress: Progres
             steps: int = 3) -> None:
     """Short untimed jobs, one per kind of job at once: first-use costs (the engine's kernels
     for each batch shape, the trainer, adapter loads) are not measured."""
-    asyncio.run(_run_jobs(stack.nats_url, [{**s, "steps": steps} for s in submissions], label, progress, 1800.0))
+    asyncio.run(run_jobs(stack.nats_url, [{**s, "steps": steps} for s in submissions], label, progress, 1800.0))
 
 
 def run_mode(workload: Workload, mode: str, quick: bool, progress: Progress | None = None,
