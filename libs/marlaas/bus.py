@@ -346,11 +346,27 @@ class Bus:
 
         return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
 
-    async def read_all(self, stream: str, subject: str) -> list[bytes]:
-        """Every message now stored in ``stream`` under ``subject``, oldest first (an ephemeral reader)."""
-        info = await self._retrying(f"stream info {stream}", lambda: self.js.stream_info(stream))
-        if info.state.messages == 0:
-            return []
+    async def read_all(self, stream: str, subject: str, catch_up_s: float = 30.0) -> list[bytes]:
+        """Every message now stored in ``stream`` under ``subject``, oldest first (an ephemeral reader).
+
+        The count to expect comes from the stream's leader. A reader placed on a replica still
+        catching up (a node just restarted) sees fewer: it is read again until the replica has
+        caught up, for up to ``catch_up_s``.
+        """
+        info = await self._retrying(f"stream info {stream}",
+                                    lambda: self.js.stream_info(stream, subjects_filter=subject))
+        expected = sum((info.state.subjects or {}).values())
+        deadline = time.monotonic() + catch_up_s
+        while True:
+            found = await self._read_once(stream, subject) if expected else []
+            if len(found) >= expected or time.monotonic() > deadline:
+                if len(found) < expected:
+                    log.warning("a stream replica is behind its leader", stream=stream, subject=subject,
+                                read=len(found), stored=expected)
+                return found
+            await asyncio.sleep(0.5)
+
+    async def _read_once(self, stream: str, subject: str) -> list[bytes]:
         sub = await self.js.pull_subscribe(subject, stream=stream)
         found: list[bytes] = []
         try:

@@ -59,11 +59,12 @@ class ManagerConfig(Section):
     # samples, a global barrier, then every job trains; sequential: one job at a time
     schedule: Literal["async", "sync", "sequential"] = "async"
     # kv: admit in submission order while the running jobs' KV-cache footprints fit kv_budget_gib;
-    # adaptive: also admit one job at a time only while the engine has idle time and no running
-    # job's time per step exceeds target_tpts_s (services/manager/adaptive.py)
+    # adaptive: also admit one job at a time only while the engine and the trainers have idle time
+    # and no running job's time per step exceeds target_tpts_s (services/manager/adaptive.py)
     admission: Literal["kv", "adaptive"] = "kv"
     target_tpts_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # adaptive: 0 = no bound on TPTS
     target_engine_busy: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9  # adaptive: busy enough
+    target_trainer_busy: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9  # adaptive: per trainer replica
     # garbage collection keeps the adapters of a job's last N committed versions (and pinned ones)
     gc_keep_last: Annotated[int, msgspec.Meta(ge=1)] = 3
 

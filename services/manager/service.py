@@ -29,7 +29,7 @@ from marlaas.events import (
     JobState, JobStateChanged, JobSubmitted, encode,
 )
 from marlaas.runtime import Runtime
-from marlaas.telemetry import UTILIZATION_JOB, span_subject
+from marlaas.telemetry import span_subject
 from marlaas.store import ObjectStore
 from marlaas.tasks import TaskError, get_task
 from marlaas.tools.registry import ToolNameError, read_tool, split_qualified
@@ -79,7 +79,7 @@ class Manager:
         # these records, however many finished jobs the registry holds
         self._unfinished: set[str] | None = None
         mc = config.manager
-        self.adaptive = (AdaptiveAdmission(mc.target_engine_busy, mc.target_tpts_s)
+        self.adaptive = (AdaptiveAdmission(mc.target_engine_busy, mc.target_tpts_s, mc.target_trainer_busy)
                          if mc.admission == "adaptive" else None)
         from transformers import AutoTokenizer
 
@@ -414,13 +414,15 @@ class Manager:
             self._collecting.discard(job)
 
     async def on_utilization(self, msg) -> None:
-        """Rollout's engine utilization, for the adaptive admission policy."""
+        """Rollout's engine utilization and the trainers' steps, for the adaptive admission policy."""
         try:
             event = METRIC.decode(msg.data)
         except EventDecodeError:
             return  # telemetry: a record we cannot read is skipped
         if event.phase == "utilization":
             self.adaptive.observe_engine(event.start, event.end, float(event.attrs.get("engine_busy_s", 0.0)))
+        elif event.phase == "train" and event.service == "trainer":
+            self.adaptive.observe_train(event.start, event.end, str(event.attrs.get("pid", "")))
 
     async def on_job_event(self, delivery: Delivery) -> None:
         event = JOB.decode(delivery.data)
@@ -479,7 +481,7 @@ async def run(rt: Runtime) -> None:
     await rt.bus.serve(api.PIN, "manager", _reply(lambda data: pin_version(manager, data)))
     await rt.bus.serve(api.PING, "manager", _pong)
     if manager.adaptive:
-        await rt.bus.nc.subscribe(span_subject(UTILIZATION_JOB), cb=manager.on_utilization)
+        await rt.bus.nc.subscribe(span_subject(">"), cb=manager.on_utilization)  # engine and train spans
     rt.ready()
     log.info("ready", schedule=rt.config.manager.schedule, admission=rt.config.manager.admission,
              kv_budget_mib=round(manager.budget_bytes / 2**20, 1))

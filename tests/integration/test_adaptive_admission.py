@@ -18,7 +18,8 @@ from services.manager.adaptive import SETTLE_STEPS
 @pytest.mark.timeout(500)
 def test_adaptive_admission_admits_one_settled_job_at_a_time(tmp_path):
     config = load_config(overrides={"home": str(tmp_path), "gateway.port": 0, "manager.admission": "adaptive",
-                                    "manager.target_engine_busy": 0.99}, env={})
+                                    "manager.target_engine_busy": 0.99,
+                                    "manager.target_trainer_busy": 0.99}, env={})
 
     async def go(url: str):
         client = await Client.connect(url)

@@ -304,6 +304,7 @@ def test_jobs_finish_exactly_once_through_a_killed_node_and_a_killed_policy_lead
                 print(f"\nnode 1 killed at v1: v{max(reached)} {node_down_s:.1f} s later; POLICY leader "
                       f"(node {leader}) killed at {at}: both jobs done {time.monotonic() - started:.1f} s later")
                 stack.nats.start_node(leader)
+                await wait_current(bus, ALL_STREAMS)  # the evidence is read once every replica caught up
                 return views
             finally:
                 await client.close()

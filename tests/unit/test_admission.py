@@ -72,3 +72,18 @@ def test_adaptive_stops_when_a_running_job_is_slower_than_the_tpts_target():
     assert policy.slots([running("a", 4, tpts_s=1.5)], now=10.0) == 1
     assert policy.slots([running("a", 4, tpts_s=2.5)], now=10.0) == 0
     assert AdaptiveAdmission(0.9).slots([running("a", 4)], now=10.0) == 0  # no utilization seen yet
+
+
+def test_adaptive_stops_while_the_trainers_are_saturated_counting_each_replica():
+    policy = AdaptiveAdmission(target_engine_busy=0.9, target_trainer_busy=0.9)
+    policy.observe_engine(0.0, 10.0, busy_s=1.0)  # the engine mostly idle
+    assert policy.slots([running("a", 4)], now=10.0) == 1
+    for t in range(10):  # one trainer updating back to back: the queue would only grow
+        policy.observe_train(float(t), t + 0.95, replica="1")
+    assert policy.trainer_busy(10.0) > 0.9
+    assert policy.slots([running("a", 4)], now=10.0) == 0
+    for t in range(0, 10, 2):  # a second replica, mostly idle: capacity to spare
+        policy.observe_train(float(t), t + 0.5, replica="2")
+    assert 0.5 < policy.trainer_busy(10.0) < 0.9
+    assert policy.slots([running("a", 4)], now=10.0) == 1
+    assert policy.trainer_busy(100.0) == 0.0  # nothing recent: idle

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from marlaas.bench.chaos import _gap
 from marlaas.bench.metrics import covered, overheads_ms, percentile, run_metrics
 from marlaas.bench.plots import write_plots
 from marlaas.bench.report import check_targets, markdown_report, ratios
@@ -109,3 +110,9 @@ def test_the_report_and_plots_are_written(tmp_path):
     paths = write_plots(result, tmp_path)
     assert {p.name for p in paths} >= {"throughput.png", "latency.png", "event-latency.png", "timeline-async.png"}
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_chaos_spaces_its_kills_by_two_versions_until_the_run_would_end_short_of_them():
+    assert _gap(versions_left=48, kills_left=20) == 2
+    assert _gap(versions_left=30, kills_left=20) == 1  # a slow start: one version apart
+    assert _gap(versions_left=10, kills_left=20) == 0  # the last ones by time alone

@@ -98,13 +98,22 @@ def _victims(rng: random.Random):
         yield rng.choices(list(VICTIMS), weights=list(VICTIMS.values()))[0]
 
 
+def _gap(versions_left: int, kills_left: int) -> int:
+    """Versions to wait between kills: two while there are versions to spare, fewer near the end
+    (a slow run must still reach its kills before its jobs finish)."""
+    if versions_left >= 2 * kills_left + 4:
+        return 2
+    return 1 if versions_left >= kills_left + 2 else 0
+
+
 def run_chaos(jobs: int = 4, steps: int = 12, min_kills: int = 20, nats_restarts: int = 2,
               crash_p: float = 0.08, seed: int = 0, timeout_s: float = 1500.0,
               on_event: Callable[[str], None] = print, home: Path | None = None) -> dict:
     """Run the chaos; return the counts and every problem found (an empty ``problems`` passes).
 
-    A kill waits until the jobs have committed two more versions since the last one, so
-    kills land all along the run rather than on services still starting.
+    A kill waits until the jobs have committed two more versions since the last one (fewer
+    when the run nears its end short of ``min_kills``), so kills land all along the run rather
+    than on services still starting.
     """
     rng = random.Random(seed)
     home = home or Path(tempfile.mkdtemp(prefix="marlaas-chaos-"))
@@ -114,6 +123,10 @@ def run_chaos(jobs: int = 4, steps: int = 12, min_kills: int = 20, nats_restarts
     victims = _victims(rng)
     trainer_log = home / "logs" / "trainer.log"
     started = time.monotonic()
+
+    def service_kills() -> int:
+        return sum(kills.values()) - kills["nats-server"] + sum(_injected_crashes(trainer_log).values())
+
     try:
         with Stack(config) as stack:
             ids = asyncio.run(_submit(stack.nats_url, jobs, steps))
@@ -139,9 +152,9 @@ def run_chaos(jobs: int = 4, steps: int = 12, min_kills: int = 20, nats_restarts
                     stack.nats.start()
                     kills["nats-server"] += 1
                     on_event(f"nats-server killed and restarted at {progress} versions")
-                elif (time.monotonic() >= next_kill and progress >= last_kill_at + 2
-                      and sum(kills.values()) - kills["nats-server"]
-                      + sum(_injected_crashes(trainer_log).values()) < min_kills):
+                elif (time.monotonic() >= next_kill and progress >= last_kill_at + _gap(
+                        jobs * steps - progress, min_kills - service_kills())
+                      and service_kills() < min_kills):
                     victim = next(victims)
                     stack.kill(victim)
                     stack.supervise()
