@@ -7,7 +7,6 @@ import contextlib
 import json
 import time
 from collections import Counter
-from collections.abc import Callable
 
 import nats.errors
 import pytest
@@ -16,25 +15,12 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from marlaas.bus import Bus, Delivery, KvEntry, PoisonMessage, StaleRevision
 from marlaas.embedded_nats import EmbeddedNats
 from marlaas.events import JOB
+from polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
 TRAJ_SUBJECT = "marlaas.trajectory.ready.acme.j1"
 JOB_SUBJECT = "marlaas.job.state.acme.j1"
-
-
-async def eventually(predicate: Callable[[], object], timeout_s: float = 5.0, what: str = ""):
-    """Poll ``predicate`` (sync or async) until it is truthy."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = predicate()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not true within {timeout_s}s: {what or predicate}")
-        await asyncio.sleep(0.05)
 
 
 @contextlib.asynccontextmanager

@@ -36,6 +36,7 @@ from marlaas.launcher import Stack
 from marlaas.store import FileStore
 from marlaas.tools.registry import reward_subject
 from marlaas.tools.sdk import answer_reward_request, decode_reward_request, reward
+import polling
 from services.env.rewards import RewardBook
 
 pytestmark = pytest.mark.timeout(300)
@@ -133,17 +134,9 @@ class Watch:
         return watch
 
 
-async def eventually(predicate, timeout_s: float = 120.0, what: str = "") -> None:
-    """Poll ``predicate`` (sync or async) until it is true."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = predicate()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
-        await asyncio.sleep(0.1)
+async def eventually(predicate, timeout_s: float = 120.0, what: str = ""):
+    """:func:`polling.eventually` with this module's longer default (an engine behind it)."""
+    return await polling.eventually(predicate, timeout_s, what)
 
 
 async def new_job(bus: Bus, store: FileStore, name: str, task: str = "addition", *, reward_name: str = "",

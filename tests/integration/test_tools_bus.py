@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -22,6 +21,7 @@ from marlaas.config import load_config
 from marlaas.events import REWARD, TOOL, RewardItem, RewardRequest, ToolCall, ToolResult, encode
 from marlaas.tools import list_tools, read_tool, tool_subject
 from marlaas.tools.registry import reward_subject
+from polling import eventually
 from services.env.tools import serve_builtin_tools
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,20 +30,6 @@ ROOT = Path(__file__).resolve().parents[2]
 TENANT_TOOLS = Path(__file__).with_name("tenant_tools.py")
 WEATHER_EXAMPLE = ROOT / "examples" / "weather_tool.py"
 TTL_S = 2.0  # the registry's TTL in these tests (30 s in production); heartbeats every TTL / 3
-
-
-async def eventually(predicate: Callable[[], object], timeout_s: float = 10.0, what: str = ""):
-    """Poll ``predicate`` (sync or async) until it is truthy; return its value."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = predicate()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not true within {timeout_s}s: {what or predicate}")
-        await asyncio.sleep(0.05)
 
 
 @pytest.fixture
