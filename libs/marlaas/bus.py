@@ -353,11 +353,9 @@ class Bus:
         catching up (a node just restarted) sees fewer: it is read again until the replica has
         caught up, for up to ``catch_up_s``.
         """
-        info = await self._retrying(f"stream info {stream}",
-                                    lambda: self.js.stream_info(stream, subjects_filter=subject))
-        expected = sum((info.state.subjects or {}).values())
         deadline = time.monotonic() + catch_up_s
         while True:
+            expected = await self._stored(stream, subject)  # again each time: a purge lowers it
             found = await self._read_once(stream, subject) if expected else []
             if len(found) >= expected or time.monotonic() > deadline:
                 if len(found) < expected:
@@ -365,6 +363,12 @@ class Bus:
                                 read=len(found), stored=expected)
                 return found
             await asyncio.sleep(0.5)
+
+    async def _stored(self, stream: str, subject: str) -> int:
+        """How many messages the leader of ``stream`` holds under ``subject``."""
+        info = await self._retrying(f"stream info {stream}",
+                                    lambda: self.js.stream_info(stream, subjects_filter=subject))
+        return sum((info.state.subjects or {}).values())
 
     async def _read_once(self, stream: str, subject: str) -> list[bytes]:
         sub = await self.js.pull_subscribe(subject, stream=stream)
