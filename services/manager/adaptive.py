@@ -27,7 +27,7 @@ SETTLE_MAX_S = 60.0  # ... or this much time must pass (a job stuck in a long fi
 
 
 class AdaptiveAdmission:
-    """How many of the queued jobs to admit now, from engine utilization and running jobs' TPTS."""
+    """How many of the queued jobs to admit now, from engine and trainer utilization and running jobs' TPTS."""
 
     def __init__(self, target_engine_busy: float, target_tpts_s: float = 0.0,
                  target_trainer_busy: float = 1.0) -> None:
