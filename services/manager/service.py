@@ -413,7 +413,7 @@ class Manager:
         finally:
             self._collecting.discard(job)
 
-    async def on_utilization(self, msg) -> None:
+    async def on_span(self, msg) -> None:
         """Rollout's engine utilization and the trainers' steps, for the adaptive admission policy."""
         try:
             event = METRIC.decode(msg.data)
@@ -481,7 +481,7 @@ async def run(rt: Runtime) -> None:
     await rt.bus.serve(api.PIN, "manager", _reply(lambda data: pin_version(manager, data)))
     await rt.bus.serve(api.PING, "manager", _pong)
     if manager.adaptive:
-        await rt.bus.nc.subscribe(span_subject(">"), cb=manager.on_utilization)  # engine and train spans
+        await rt.bus.nc.subscribe(span_subject(">"), cb=manager.on_span)  # engine and train spans
     rt.ready()
     log.info("ready", schedule=rt.config.manager.schedule, admission=rt.config.manager.admission,
              kv_budget_mib=round(manager.budget_bytes / 2**20, 1))

@@ -124,9 +124,6 @@ def run_chaos(jobs: int = 4, steps: int = 12, min_kills: int = 20, nats_restarts
     trainer_log = home / "logs" / "trainer.log"
     started = time.monotonic()
 
-    def service_kills() -> int:
-        return sum(kills.values()) - kills["nats-server"] + sum(_injected_crashes(trainer_log).values())
-
     try:
         with Stack(config) as stack:
             ids = asyncio.run(_submit(stack.nats_url, jobs, steps))
@@ -152,9 +149,10 @@ def run_chaos(jobs: int = 4, steps: int = 12, min_kills: int = 20, nats_restarts
                     stack.nats.start()
                     kills["nats-server"] += 1
                     on_event(f"nats-server killed and restarted at {progress} versions")
-                elif (time.monotonic() >= next_kill and progress >= last_kill_at + _gap(
-                        jobs * steps - progress, min_kills - service_kills())
-                      and service_kills() < min_kills):
+                elif (time.monotonic() >= next_kill
+                      and (done := sum(kills.values()) - kills["nats-server"]
+                           + sum(_injected_crashes(trainer_log).values())) < min_kills
+                      and progress >= last_kill_at + _gap(jobs * steps - progress, min_kills - done)):
                     victim = next(victims)
                     stack.kill(victim)
                     stack.supervise()
