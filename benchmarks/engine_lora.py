@@ -1,13 +1,16 @@
 """What the engine's LoRA settings cost per step: generation alone, in a bare rollout engine.
 
     python benchmarks/engine_lora.py [--variants "8,16;1,16;8,8;1,8"] [--jobs 1,4] [--tokens 32]
+                                     [--kernels grouped,vllm]
 
 For each variant ``max_loras,max_lora_rank`` a fresh ``PolicyEngine`` (the one rollout
 runs) generates, for 1 job and then for several jobs at once, 64 completions per job of
 exactly ``--tokens`` tokens (``ignore_eos``) with a rank-8 adapter per job, and once with
 no adapter at all. Printed: the median seconds of a batch over repeats, side by side. On
 CPU, vLLM's LoRA path pads every adapter to ``max_lora_rank`` and sizes its buffers by
-``max_loras``; this shows what those settings cost.
+``max_loras``; this shows what those settings cost. ``--kernels`` runs each variant with
+marlaas's grouped CPU LoRA ops (``rollout.cpu_lora_kernels = "grouped"``, the default) and
+with vLLM's own (``"vllm"``), side by side.
 """
 
 from __future__ import annotations
@@ -43,11 +46,12 @@ async def batch_s(engine, loras: list, tokens: int, repeats: int) -> float:
 
 
 async def measure(max_loras: int, rank: int, job_counts: list[int], tokens: int, repeats: int,
-                  work: Path) -> dict:
+                  work: Path, kernels: str = "grouped") -> dict:
     from services.rollout.engine import PolicyEngine
 
     config = load_config(overrides={"home": str(work / "home"), "rollout.max_loras": max_loras,
-                                    "rollout.max_lora_rank": rank}, env={})
+                                    "rollout.max_lora_rank": rank, "rollout.cpu_lora_kernels": kernels},
+                         env={})
     engine = PolicyEngine(config)
     try:
         store = FileStore(work / "store")
@@ -57,7 +61,7 @@ async def measure(max_loras: int, rank: int, job_counts: list[int], tokens: int,
             blob = write_adapter(store, f"t.j{j}", 0, cfg, weights)
             loras.append(await engine.use_adapter(f"t.j{j}", 0, materialize(store, blob, work / f"a{j}")))
         await batch_s(engine, loras[:1], tokens, 1)  # warm
-        row = {"variant": f"max_loras={max_loras}, max_lora_rank={rank}",
+        row = {"variant": f"max_loras={max_loras}, max_lora_rank={rank}, {kernels} kernels",
                "no adapter": await batch_s(engine, [None], tokens, repeats)}
         for n in job_counts:
             row[f"{n} job{'s' if n > 1 else ''}"] = await batch_s(engine, loras[:n], tokens, repeats)
@@ -72,6 +76,7 @@ def main() -> None:
     parser.add_argument("--jobs", default="1,4", help="jobs (adapters) generating at once")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per completion")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kernels", default="grouped", help="CPU LoRA ops to compare: grouped,vllm")
     args = parser.parse_args()
     counts = [int(x) for x in args.jobs.split(",")]
     rows = []
@@ -80,9 +85,10 @@ def main() -> None:
     try:
         for variant in args.variants.split(";"):
             max_loras, rank = (int(x) for x in variant.split(","))
-            with console.status(f"max_loras={max_loras}, max_lora_rank={rank}..."):
-                rows.append(asyncio.run(measure(max(max_loras, 1), rank, counts, args.tokens, args.repeats,
-                                                work / variant.replace(",", "-"))))
+            for kernels in args.kernels.split(","):
+                with console.status(f"max_loras={max_loras}, max_lora_rank={rank}, {kernels} kernels..."):
+                    rows.append(asyncio.run(measure(max(max_loras, 1), rank, counts, args.tokens, args.repeats,
+                                                    work / f"{variant.replace(',', '-')}-{kernels}", kernels)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     table = Table("variant", *(k for k in rows[0] if k != "variant"))

@@ -35,7 +35,16 @@ class RolloutConfig(Section):
     # batch every job's requests in the engine together (multi-LoRA); false = one job's requests at
     # a time, the paper's "without multi-LoRA" ablation
     multi_lora: bool = True
-    cpu_threads_bind: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND: cores the CPU engine's threads use
+    # on CPU, where vLLM runs the model: "uni" in the engine core process itself; "mp" (vLLM's own
+    # default on CPU) in a worker process fed through a shared-memory queue whose readers spin for
+    # a second after every message, which burns about a second core on a 2-core machine
+    # (benchmarks/engine_executor.py)
+    cpu_executor: Literal["uni", "mp"] = "uni"
+    cpu_threads: Annotated[int, msgspec.Meta(ge=0)] = 1  # uni: the CPU engine's torch threads (0 = all cores)
+    # on CPU, vLLM's LoRA ops ("vllm": a copy of the adapter per token) or marlaas's ("grouped": one
+    # matmul per adapter in the batch; libs/marlaas/vllm_plugin), benchmarks/engine_lora.py --kernels
+    cpu_lora_kernels: Literal["grouped", "vllm"] = "grouped"
+    cpu_threads_bind: str = "auto"  # mp: VLLM_CPU_OMP_THREADS_BIND, the cores the worker's threads use
     block_size: int = 0  # KV-cache block (tokens); 0 = the backend's (128 on CPU). Only full blocks are
     # prefix-cached: a smaller block lets short multi-turn episodes re-enter from the cache
     tool_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # a tool call's reply deadline

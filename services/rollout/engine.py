@@ -23,7 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marlaas.config import Config
+from marlaas.vllm_plugin import KERNELS_ENV
 from services.rollout.utilization import Utilization
+
+
+def uniprocess_on_cpu(config: Config) -> bool:
+    """Whether the engine runs on CPU with the model in its engine core process (``cpu_executor``)."""
+    if config.rollout.cpu_executor != "uni":
+        return False
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,18 @@ class PolicyEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.rollout.kv_cache_gib))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", config.rollout.cpu_threads_bind)
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        os.environ[KERNELS_ENV] = config.rollout.cpu_lora_kernels  # read by marlaas.vllm_plugin in the engine core
+        executor = {}
+        if uniprocess_on_cpu(config):
+            executor = {"distributed_executor_backend": "uni"}
+            # vLLM turns "uni" into "mp" on CPU unless V1 multiprocessing is off; AsyncLLM still
+            # runs its engine core in a process of its own either way
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            if config.rollout.cpu_threads:  # a spawned engine core reads it at import, a forked one inherits
+                import torch
+
+                os.environ["OMP_NUM_THREADS"] = str(config.rollout.cpu_threads)
+                torch.set_num_threads(config.rollout.cpu_threads)
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -56,7 +78,7 @@ class PolicyEngine:
             model=model_dir, tokenizer=model_dir, enable_lora=True, max_loras=rc.max_loras,
             max_lora_rank=rc.max_lora_rank, max_cpu_loras=rc.max_loras * 2, dtype=rc.dtype,
             max_model_len=rc.max_model_len, gpu_memory_utilization=rc.gpu_memory_utilization,
-            enforce_eager=True, disable_log_stats=True, seed=0,
+            enforce_eager=True, disable_log_stats=True, seed=0, **executor,
             logprobs_mode="processed_logprobs",  # the tempered policy the trainer scores
             generation_config="vllm",  # no sampling defaults from the model's generation_config.json
             enable_prefix_caching=True,  # a multi-turn episode re-enters with its whole prefix

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 COLUMNS = (("mode", "mode", "{}"), ("jobs", "jobs", "{}"), ("steps", "steps", "{}"),
            ("wall_s", "wall s", "{:.1f}"), ("steps_per_hour", "steps/h", "{:.0f}"),
            ("engine_busy", "engine busy", "{:.0%}"), ("trainer_busy", "trainer busy", "{:.0%}"),
-           ("idle", "idle", "{:.0%}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
+           ("idle", "idle", "{:.0%}"), ("cpu_load", "CPU load", "{:.0%}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
            ("tool_wait_fraction", "tools pending", "{:.0%}"), ("ttfs_s", "TTFS s", "{:.1f}"),
            ("tpts_s", "TPTS s", "{:.2f}"), ("handoff_ms.p50", "commit→gen p50 ms", "{:.0f}"),
            ("ready_to_train_ms.p50", "ready→train p50 ms", "{:.0f}"),
@@ -55,6 +55,13 @@ def ratios(runs: list[dict], metric: str = "steps_per_hour") -> list[tuple[str, 
             if other["mode"] != "async" and other["jobs"] == base["jobs"] and other.get(metric):
                 out.append((other["mode"], base["jobs"], base[metric] / other[metric]))
     return out
+
+
+def ceiling(runs: list[dict], jobs: int, ratio: float) -> str:
+    """``ratio`` over the CPU load of ``async`` with ``jobs`` jobs ("–" when it was not measured)."""
+    run = pick(runs, "async", jobs)
+    load = run.get("cpu_load") if run else None
+    return f"{ratio / load:.2f}x" if load else "–"
 
 
 @dataclass(frozen=True)
@@ -109,8 +116,12 @@ def markdown_report(result: dict, targets: dict[str, float]) -> str:
              f"{result['machine']['cpus']} CPUs, {result['machine']['platform']}.", "", markdown_table(runs), ""]
     rows = ratios(runs)
     if rows:
-        parts += ["| async steps/h over | jobs | ratio |", "|---|---|---|"]
-        parts += [f"| {mode} | {jobs} | {ratio:.2f}x |" for mode, jobs, ratio in rows] + [""]
+        parts += ["| async steps/h over | jobs | ratio | with every core busy |", "|---|---|---|---|"]
+        parts += [f"| {mode} | {jobs} | {ratio:.2f}x | {ceiling(runs, jobs, ratio)} |"
+                  for mode, jobs, ratio in rows] + [""]
+        parts += ["*With every core busy*: the ratio `async` would reach if it did the CPU work it "
+                  "did in this run with no core ever idle (its ratio over its CPU load): "
+                  "what this machine allows without making a step cheaper.", ""]
     checks = check_targets(runs, targets)
     if checks:
         parts += ["Targets:", ""] + [f"- {c.line()}" for c in checks] + [""]
@@ -121,6 +132,14 @@ def markdown_report(result: dict, targets: dict[str, float]) -> str:
                   "| mode | jobs | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
         parts += [f"| {r['mode']} | {r['jobs']} | " + " | ".join(cell(r["phase_ms"], k, "{:.0f}") for k in keys)
                   + " |" for r in phased] + [""]
+    cpu = [r for r in runs if r.get("cpu_s") and r.get("steps")]
+    if cpu:
+        services = sorted({s for r in cpu for s in r["cpu_s"]})
+        parts += ["CPU seconds per version (each service's process tree; rollout's includes its engine):", "",
+                  "| mode | jobs | " + " | ".join(services) + " | all |", "|---|---|" + "---|" * (len(services) + 1)]
+        parts += [f"| {r['mode']} | {r['jobs']} | " + " | ".join(f"{r['cpu_s'].get(s, 0) / r['steps']:.2f}"
+                                                          for s in services)
+                  + f" | {sum(r['cpu_s'].values()) / r['steps']:.2f} |" for r in cpu] + [""]
     rss = [(r["mode"], r["jobs"], r.get("peak_rss_mib", {})) for r in runs if r.get("peak_rss_mib")]
     if rss:
         services = sorted({s for _, _, peaks in rss for s in peaks})

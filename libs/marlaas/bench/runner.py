@@ -37,13 +37,28 @@ SPAN_FLUSH_S = 2.5  # rollout publishes engine intervals every 2 s: wait for the
 
 
 class RssSampler:
-    """Peak resident memory of each service's process tree, sampled in a thread."""
+    """Peak resident memory and CPU time of each service's process tree, sampled in a thread.
+
+    CPU time is counted per process from its first sample to its last (user + system), so
+    ``cpu_s`` is what each service burnt during the run, not since it started: on a machine
+    with fewer cores than busy processes it shows which service takes the cores.
+    """
 
     def __init__(self, stack: Stack, every_s: float = 1.0) -> None:
         self.stack, self.every_s = stack, every_s
         self.peak_mib: dict[str, float] = {}
+        self._cpu_first: dict[tuple[str, int], float] = {}
+        self._cpu_last: dict[tuple[str, int], float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @property
+    def cpu_s(self) -> dict[str, float]:
+        """CPU seconds each service's processes used between the first sample and the last."""
+        used: dict[str, float] = {}
+        for key, last in self._cpu_last.items():
+            used[key[0]] = used.get(key[0], 0.0) + last - self._cpu_first[key]
+        return {name: round(seconds, 2) for name, seconds in used.items()}
 
     def _sample(self) -> None:
         import psutil
@@ -51,7 +66,14 @@ class RssSampler:
         for name, proc in list(self.stack.procs.items()):
             try:
                 root = psutil.Process(proc.pid)
-                rss = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+                tree = [root, *root.children(recursive=True)]
+                rss = 0
+                for p in tree:
+                    with p.oneshot():
+                        rss += p.memory_info().rss
+                        times = p.cpu_times()
+                    self._cpu_first.setdefault((name, p.pid), times.user + times.system)
+                    self._cpu_last[(name, p.pid)] = times.user + times.system
             except psutil.Error:
                 continue
             self.peak_mib[name] = max(self.peak_mib.get(name, 0.0), rss / 2**20)
@@ -68,6 +90,7 @@ class RssSampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        self._sample()
 
 
 async def run_jobs(url: str, submissions: list[dict], label: str, progress: Progress | None,
@@ -126,8 +149,17 @@ def measure(stack: Stack, submissions: list[dict], label: str, progress: Progres
     spans = asyncio.run(_spans(stack.nats_url))
     ids = {j["id"] for j in jobs}  # the run ends with its last commit, not the last poll
     end = max((s.end for s in spans if s.job in ids and s.phase == "commit"), default=end)
-    return {**run_metrics(spans, jobs, start, end), "peak_rss_mib": dict(rss.peak_mib),
-            "timeline": timeline(spans, jobs, start)}
+    figures = run_metrics(spans, jobs, start, end)
+    return {**figures, "peak_rss_mib": dict(rss.peak_mib), "cpu_s": rss.cpu_s,
+            "cpu_load": cpu_load(rss.cpu_s, figures["wall_s"]), "timeline": timeline(spans, jobs, start)}
+
+
+def cpu_load(cpu_s: dict[str, float], wall_s: float, cores: int | None = None) -> float:
+    """The services' CPU seconds over the run's core-seconds: 1.0 = every core busy all along."""
+    import os
+
+    cores = cores or os.cpu_count() or 1
+    return sum(cpu_s.values()) / (wall_s * cores) if wall_s > 0 else 0.0
 
 
 def warm_up(stack: Stack, submissions: list[dict], label: str, progress: Progress | None = None,
