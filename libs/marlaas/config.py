@@ -40,7 +40,7 @@ class RolloutConfig(Section):
     # a second after every message, which burns about a second core on a 2-core machine
     # (benchmarks/engine_executor.py)
     cpu_executor: Literal["uni", "mp"] = "uni"
-    cpu_threads: Annotated[int, msgspec.Meta(ge=0)] = 1  # uni: the CPU engine's torch threads (0 = all cores)
+    cpu_threads: Annotated[int, msgspec.Meta(ge=0)] = 1  # uni: the CPU engine's torch threads (0 = torch's default)
     # on CPU, vLLM's LoRA ops ("vllm": a copy of the adapter per token) or marlaas's ("grouped": one
     # matmul per adapter in the batch; libs/marlaas/vllm_plugin), benchmarks/engine_lora.py --kernels
     cpu_lora_kernels: Literal["grouped", "vllm"] = "grouped"

@@ -16,9 +16,11 @@ so the PPO ratio compares like with like at every temperature.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,13 +29,38 @@ from marlaas.vllm_plugin import KERNELS_ENV
 from services.rollout.utilization import Utilization
 
 
-def uniprocess_on_cpu(config: Config) -> bool:
-    """Whether the engine runs on CPU with the model in its engine core process (``cpu_executor``)."""
-    if config.rollout.cpu_executor != "uni":
-        return False
+@contextlib.contextmanager
+def cpu_engine_process(config: Config, args) -> Iterator[None]:
+    """While the engine starts: on CPU with ``rollout.cpu_executor = "uni"``, the model runs in the
+    engine core process with ``rollout.cpu_threads`` torch threads. The caller's own settings
+    are restored afterwards (the in-process baseline trains in the same process)."""
     from vllm.platforms import current_platform
 
-    return current_platform.is_cpu()
+    if config.rollout.cpu_executor != "uni" or not current_platform.is_cpu():
+        yield
+        return
+    import torch
+
+    args.distributed_executor_backend = "uni"
+    # vLLM turns "uni" into "mp" on CPU unless V1 multiprocessing is off; AsyncLLM still runs its
+    # engine core in a process of its own. A spawned engine core reads OMP_NUM_THREADS at import,
+    # a forked one inherits the torch setting.
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if config.rollout.cpu_threads:
+        env["OMP_NUM_THREADS"] = str(config.rollout.cpu_threads)
+    saved_env = {key: os.environ.get(key) for key in env}
+    saved_threads = torch.get_num_threads()
+    os.environ.update(env)
+    torch.set_num_threads(config.rollout.cpu_threads or saved_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved_threads)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @dataclass(frozen=True)
@@ -57,17 +84,6 @@ class PolicyEngine:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", config.rollout.cpu_threads_bind)
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         os.environ[KERNELS_ENV] = config.rollout.cpu_lora_kernels  # read by marlaas.vllm_plugin in the engine core
-        executor = {}
-        if uniprocess_on_cpu(config):
-            executor = {"distributed_executor_backend": "uni"}
-            # vLLM turns "uni" into "mp" on CPU unless V1 multiprocessing is off; AsyncLLM still
-            # runs its engine core in a process of its own either way
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            if config.rollout.cpu_threads:  # a spawned engine core reads it at import, a forked one inherits
-                import torch
-
-                os.environ["OMP_NUM_THREADS"] = str(config.rollout.cpu_threads)
-                torch.set_num_threads(config.rollout.cpu_threads)
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -78,7 +94,7 @@ class PolicyEngine:
             model=model_dir, tokenizer=model_dir, enable_lora=True, max_loras=rc.max_loras,
             max_lora_rank=rc.max_lora_rank, max_cpu_loras=rc.max_loras * 2, dtype=rc.dtype,
             max_model_len=rc.max_model_len, gpu_memory_utilization=rc.gpu_memory_utilization,
-            enforce_eager=True, disable_log_stats=True, seed=0, **executor,
+            enforce_eager=True, disable_log_stats=True, seed=0,
             logprobs_mode="processed_logprobs",  # the tempered policy the trainer scores
             generation_config="vllm",  # no sampling defaults from the model's generation_config.json
             enable_prefix_caching=True,  # a multi-turn episode re-enters with its whole prefix
@@ -87,7 +103,8 @@ class PolicyEngine:
             enable_chunked_prefill=False, max_num_batched_tokens=max(rc.max_model_len, 4096),
             **({"block_size": rc.block_size} if rc.block_size else {}),
         )
-        self.engine = AsyncLLM.from_engine_args(args)
+        with cpu_engine_process(config, args):
+            self.engine = AsyncLLM.from_engine_args(args)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self._ids = itertools.count(1)
         self._loaded: dict[str, tuple[int, object]] = {}  # job -> (version, LoRARequest)

@@ -85,6 +85,28 @@ def test_prefill_ops_expand_per_sequence_indices():
     assert_close(sliced["ours"], sliced["theirs"])
 
 
+def test_a_grouping_is_reused_only_while_its_indices_are_unchanged():
+    """vLLM refills one index buffer in place every step: the next op must see the new adapters."""
+    torch.manual_seed(4)
+    buffer = torch.zeros(TOKENS + 4, dtype=torch.long)
+    x = torch.randn(TOKENS, HIDDEN)
+    weights = torch.randn(SLOTS, RANK, HIDDEN)
+    for step_indices in indices_cases().values():
+        buffer[:TOKENS].copy_(step_indices)
+        for _ in range(2):  # the second op of the step reuses the grouping
+            ours, theirs = torch.zeros(TOKENS, RANK), torch.zeros(TOKENS, RANK)
+            lora_ops.bgmv_shrink(x, weights, ours, buffer[:TOKENS], 1.0)
+            vllm_ops.bgmv_shrink(x, weights, theirs, buffer[:TOKENS], 1.0)
+            assert_close(ours, theirs)
+    seq_lens, seq_slots = torch.tensor([6, 6]), torch.tensor([0, 0])
+    for slots in ([0, 0], [2, 1], [3, 3]):
+        seq_slots.copy_(torch.tensor(slots))
+        ours, theirs = torch.zeros(TOKENS, RANK), torch.zeros(TOKENS, RANK)
+        lora_ops.sgmv_shrink(x, weights, ours, torch.tensor([0, 6]), seq_lens, seq_slots, 2, 6, TOKENS, 1.0)
+        vllm_ops.sgmv_shrink(x, weights, theirs, torch.tensor([0, 6]), seq_lens, seq_slots, 2, 6, TOKENS, 1.0)
+        assert_close(ours, theirs)
+
+
 def test_register_swaps_the_cpu_wrapper_ops_only_when_asked(monkeypatch):
     from vllm.lora.punica_wrapper import punica_cpu
 
