@@ -8,6 +8,7 @@ from marlaas.bench.chaos import _gap
 from marlaas.bench.metrics import covered, overheads_ms, percentile, run_metrics
 from marlaas.bench.plots import write_plots
 from marlaas.bench.report import check_targets, markdown_report, ratios
+from marlaas.bench.runner import cpu_load
 from marlaas.bench.workload import WORKLOAD_DIR, WorkloadError, load_workload
 from marlaas.events import Span
 from marlaas.telemetry import UTILIZATION_JOB
@@ -116,3 +117,16 @@ def test_chaos_spaces_its_kills_by_two_versions_until_the_run_would_end_short_of
     assert _gap(versions_left=48, kills_left=20) == 2
     assert _gap(versions_left=30, kills_left=20) == 1  # a slow start: one version apart
     assert _gap(versions_left=10, kills_left=20) == 0  # the last ones by time alone
+
+
+def test_cpu_load_and_the_every_core_busy_bound_in_the_report():
+    assert cpu_load({"rollout": 30.0, "trainer": 10.0}, wall_s=40.0, cores=2) == 0.5
+    assert cpu_load({"rollout": 1.0}, wall_s=0.0, cores=2) == 0.0
+    result = {"workload": "w", "description": "d", "quick": True, "steps_per_job": 3,
+              "machine": {"cpus": 2, "platform": "linux"},
+              "runs": [{**r, "steps": 3 * r["jobs"], "cpu_s": {"rollout": 3.0, "trainer": 1.5},
+                        "cpu_load": 0.5 if r["mode"] == "async" else 0.4} for r in runs()]}
+    report = markdown_report(result, {})
+    # async@3 240 steps/h over sequential@3 80: 3x, and 6x at async@3's CPU load of 0.5
+    assert "| sequential | 3 | 3.00x | 6.00x |" in report
+    assert "| async | 3 | 0.33 | 0.17 | 0.50 |" in report  # CPU seconds per version: rollout, trainer, all

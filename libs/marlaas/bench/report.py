@@ -119,9 +119,10 @@ def markdown_report(result: dict, targets: dict[str, float]) -> str:
         parts += ["| async steps/h over | jobs | ratio | with every core busy |", "|---|---|---|---|"]
         parts += [f"| {mode} | {jobs} | {ratio:.2f}x | {ceiling(runs, jobs, ratio)} |"
                   for mode, jobs, ratio in rows] + [""]
-        parts += ["*With every core busy*: the ratio `async` would reach if it did the CPU work it "
-                  "did in this run with no core ever idle (its ratio over its CPU load): "
-                  "what this machine allows without making a step cheaper.", ""]
+        parts += ["*With every core busy*: the ratio over `async`'s CPU load, i.e. what `async` would "
+                  "reach doing the CPU work of this run with no core ever idle: a bound on what this "
+                  "machine allows without making a step cheaper (one job alone cannot reach it: a "
+                  "strictly on-policy job's phases never overlap).", ""]
     checks = check_targets(runs, targets)
     if checks:
         parts += ["Targets:", ""] + [f"- {c.line()}" for c in checks] + [""]
