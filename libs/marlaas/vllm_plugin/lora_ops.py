@@ -93,13 +93,15 @@ def _sgmv_groups(lora_indices_S: torch.Tensor, seq_lens_S: torch.Tensor) -> Grou
 
 def bgmv_shrink(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
                 lora_indices_tensor: torch.Tensor | None, scaling: float = 1.0, groups: Groups | None = None) -> None:
-    outputs = lora_matmul(inputs, lora_b_weights, groups or _bgmv_groups(lora_indices_tensor), output_tensor.dtype)
+    """Decode: ``output[:, :rank] = scaling * (A x)`` per token (the adapter's down-projection)."""
+    outputs = lora_matmul(inputs, lora_b_weights, _bgmv_groups(lora_indices_tensor) if groups is None else groups, output_tensor.dtype)
     output_tensor[:, : outputs.shape[1]] = scaling * outputs
 
 
 def bgmv_expand(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
                 lora_indices_tensor: torch.Tensor | None, add_inputs: bool = True, groups: Groups | None = None) -> None:
-    outputs = lora_matmul(inputs, lora_b_weights, groups or _bgmv_groups(lora_indices_tensor), output_tensor.dtype)
+    """Decode: ``output (+)= B x`` per token (the up-projection), cut to the narrower of the two widths."""
+    outputs = lora_matmul(inputs, lora_b_weights, _bgmv_groups(lora_indices_tensor) if groups is None else groups, output_tensor.dtype)
     limit = 1 if outputs.shape[0] == 1 and output_tensor.shape[0] != 1 else output_tensor.shape[0]
     common = min(outputs.shape[1], output_tensor.shape[1])  # adapter and model may pad differently
     if add_inputs:
@@ -111,7 +113,8 @@ def bgmv_expand(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tenso
 def bgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
                       lora_indices_tensor: torch.Tensor | None, slice_offset: int, slice_size: int,
                       add_inputs: bool = True, groups: Groups | None = None) -> None:
-    outputs = lora_matmul(inputs, lora_b_weights, groups or _bgmv_groups(lora_indices_tensor), output_tensor.dtype)
+    """Decode: :func:`bgmv_expand` into ``output[:, slice_offset:slice_offset + slice_size]``."""
+    outputs = lora_matmul(inputs, lora_b_weights, _bgmv_groups(lora_indices_tensor) if groups is None else groups, output_tensor.dtype)
     if add_inputs:
         output_tensor[:, slice_offset: slice_offset + slice_size] += outputs
     else:
@@ -120,17 +123,20 @@ def bgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output
 
 def sgmv_shrink(inputs, lora_a_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
                 batches, max_seq_length, token_nums, scaling) -> None:
+    """Prefill: :func:`bgmv_shrink` where each sequence's tokens share its adapter."""
     bgmv_shrink(inputs, lora_a_weights, output_tensor, None, scaling,
                 groups=_sgmv_groups(lora_indices_tensor, seq_len_tensor))
 
 
 def sgmv_expand(inputs, lora_b_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
                 batches, max_seq_length, token_nums, add_inputs=False) -> None:
+    """Prefill: :func:`bgmv_expand` where each sequence's tokens share its adapter."""
     bgmv_expand(inputs, lora_b_weights, output_tensor, None, add_inputs,
                 groups=_sgmv_groups(lora_indices_tensor, seq_len_tensor))
 
 
 def sgmv_expand_slice(inputs, lora_b_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
                       batches, max_seq_length, token_nums, slice_offset, slice_size, add_inputs=False) -> None:
+    """Prefill: :func:`bgmv_expand_slice` where each sequence's tokens share its adapter."""
     bgmv_expand_slice(inputs, lora_b_weights, output_tensor, None, slice_offset, slice_size, add_inputs,
                       groups=_sgmv_groups(lora_indices_tensor, seq_len_tensor))
