@@ -24,14 +24,14 @@ from rich.console import Console
 from rich.table import Table
 
 from marlaas.bench.progress import step_bars
-from marlaas.bench.runner import RssSampler, bench_stack, run_jobs, warm_up
+from marlaas.bench.runner import ResourceSampler, bench_stack, run_jobs, warm_up
 
 TASKS = ("addition", "reverse", "repeat")
 SETTLE_S = 5.0  # after a wave: let the services free what the finished jobs held
 
 
-class RssSeries(RssSampler):
-    """:class:`RssSampler` that also keeps every sample: ``(time, {service: MiB})``."""
+class RssSeries(ResourceSampler):
+    """:class:`ResourceSampler` that also keeps every sample: ``(time, {service: MiB})``."""
 
     def __init__(self, stack, every_s: float = 1.0) -> None:
         super().__init__(stack, every_s)

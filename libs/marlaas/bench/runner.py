@@ -4,7 +4,7 @@ Each mode gets a fresh embedded stack (same model, same services, only the sched
 settings differ), warmed with a short untimed job. Then for every number of jobs in
 the workload's sweep, the jobs are submitted at once and timed from the first submit
 to the last completion; the services' spans give every other figure
-(``marlaas.bench.metrics``) and a sampler records each service's peak RSS (its whole
+(``marlaas.bench.metrics``) and a sampler records each service's peak RSS and CPU seconds (its whole
 process tree: rollout's includes its vLLM engine core). The ``inprocess`` mode runs
 the single-user loop of ``benchmarks/inprocess_grpo.py`` on the same jobs one after
 another instead.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import os
 import shutil
 import tempfile
 import threading
@@ -36,7 +37,7 @@ Progress = Callable[[str, int, int], None]  # (label, steps done, steps in all)
 SPAN_FLUSH_S = 2.5  # rollout publishes engine intervals every 2 s: wait for the last ones
 
 
-class RssSampler:
+class ResourceSampler:
     """Peak resident memory and CPU time of each service's process tree, sampled in a thread.
 
     CPU time is counted per process from its first sample to its last (user + system), so
@@ -82,7 +83,7 @@ class RssSampler:
         while not self._stop.wait(self.every_s):
             self._sample()
 
-    def __enter__(self) -> RssSampler:
+    def __enter__(self) -> ResourceSampler:
         self._sample()
         self._thread.start()
         return self
@@ -144,20 +145,19 @@ def bench_stack(overrides: dict, max_jobs: int, base_model: str = ""):
 def measure(stack: Stack, submissions: list[dict], label: str, progress: Progress | None = None,
             timeout_s: float = 3600.0) -> dict:
     """Submit ``submissions`` at once, wait for all, and return the run's figures."""
-    with RssSampler(stack) as rss:
+    with ResourceSampler(stack) as sampler:
         jobs, start, end = asyncio.run(run_jobs(stack.nats_url, submissions, label, progress, timeout_s))
     spans = asyncio.run(_spans(stack.nats_url))
     ids = {j["id"] for j in jobs}  # the run ends with its last commit, not the last poll
     end = max((s.end for s in spans if s.job in ids and s.phase == "commit"), default=end)
     figures = run_metrics(spans, jobs, start, end)
-    return {**figures, "peak_rss_mib": dict(rss.peak_mib), "cpu_s": rss.cpu_s,
-            "cpu_load": cpu_load(rss.cpu_s, figures["wall_s"]), "timeline": timeline(spans, jobs, start)}
+    cpu_s = sampler.cpu_s
+    return {**figures, "peak_rss_mib": dict(sampler.peak_mib), "cpu_s": cpu_s,
+            "cpu_load": cpu_load(cpu_s, figures["wall_s"]), "timeline": timeline(spans, jobs, start)}
 
 
 def cpu_load(cpu_s: dict[str, float], wall_s: float, cores: int | None = None) -> float:
     """The services' CPU seconds over the run's core-seconds: 1.0 = every core busy all along."""
-    import os
-
     cores = cores or os.cpu_count() or 1
     return sum(cpu_s.values()) / (wall_s * cores) if wall_s > 0 else 0.0
 
@@ -218,7 +218,6 @@ def run_baseline_loop(workload: Workload, quick: bool, progress: Progress | None
 def run_benchmark(workload: Workload, modes: list[str], quick: bool,
                   progress: Progress | None = None, base_model: str = "") -> dict:
     """Every mode of ``modes`` in turn; the result document ``marlaas bench --json`` prints."""
-    import os
     import platform
 
     runs = []
