@@ -1,7 +1,7 @@
 """What the engine's LoRA settings cost per step: generation alone, in a bare rollout engine.
 
     python benchmarks/engine_lora.py [--variants "8,16;1,16;8,8;1,8"] [--jobs 1,4] [--tokens 32]
-                                     [--kernels grouped,vllm]
+                                     [--kernels fused,grouped,vllm]
 
 For each variant ``max_loras,max_lora_rank`` a fresh ``PolicyEngine`` (the one rollout
 runs) generates, for 1 job and then for several jobs at once, 64 completions per job of
@@ -9,8 +9,9 @@ exactly ``--tokens`` tokens (``ignore_eos``) with a rank-8 adapter per job, and 
 no adapter at all. Printed: the median seconds of a batch over repeats, side by side. On
 CPU, vLLM's LoRA path pads every adapter to ``max_lora_rank`` and sizes its buffers by
 ``max_loras``; this shows what those settings cost. ``--kernels`` runs each variant with
-marlaas's grouped CPU LoRA ops (``rollout.cpu_lora_kernels = "grouped"``, the default) and
-with vLLM's own (``"vllm"``), side by side.
+each of the CPU LoRA kernels named (``rollout.cpu_lora_kernels``): marlaas's fused layers
+(``"fused"``, the default), marlaas's grouped ops alone (``"grouped"``) and vLLM's own
+(``"vllm"``), side by side.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ async def batch_s(engine, loras: list, tokens: int, repeats: int) -> float:
 
 
 async def measure(max_loras: int, rank: int, job_counts: list[int], tokens: int, repeats: int,
-                  work: Path, kernels: str = "grouped") -> dict:
+                  work: Path, kernels: str = "fused") -> dict:
     from services.rollout.engine import PolicyEngine
 
     config = load_config(overrides={"home": str(work / "home"), "rollout.max_loras": max_loras,
@@ -76,7 +77,7 @@ def main() -> None:
     parser.add_argument("--jobs", default="1,4", help="jobs (adapters) generating at once")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per completion")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--kernels", default="grouped", help="CPU LoRA ops to compare: grouped,vllm")
+    parser.add_argument("--kernels", default="fused", help="CPU LoRA kernels to compare: fused,grouped,vllm")
     args = parser.parse_args()
     counts = [int(x) for x in args.jobs.split(",")]
     rows = []

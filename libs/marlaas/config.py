@@ -41,9 +41,10 @@ class RolloutConfig(Section):
     # (benchmarks/engine_executor.py)
     cpu_executor: Literal["uni", "mp"] = "uni"
     cpu_threads: Annotated[int, msgspec.Meta(ge=0)] = 1  # uni: the CPU engine's torch threads (0 = torch's default)
-    # on CPU, vLLM's LoRA ops ("vllm": a copy of the adapter per token) or marlaas's ("grouped": one
-    # matmul per adapter in the batch; libs/marlaas/vllm_plugin), benchmarks/engine_lora.py --kernels
-    cpu_lora_kernels: Literal["grouped", "vllm"] = "grouped"
+    # on CPU, vLLM's LoRA ops ("vllm": a copy of the adapter per token) or marlaas's (libs/marlaas/
+    # vllm_plugin; "grouped": one matmul per adapter in the batch; "fused": a layer's every slice and
+    # adapter in two matmuls), benchmarks/engine_lora.py --kernels fused,grouped,vllm
+    cpu_lora_kernels: Literal["fused", "grouped", "vllm"] = "fused"
     cpu_threads_bind: str = "auto"  # mp: VLLM_CPU_OMP_THREADS_BIND, the cores the worker's threads use
     block_size: int = 0  # KV-cache block (tokens); 0 = the backend's (128 on CPU). Only full blocks are
     # prefix-cached: a smaller block lets short multi-turn episodes re-enter from the cache

@@ -112,17 +112,29 @@ def test_register_swaps_the_cpu_wrapper_ops_only_when_asked(monkeypatch):
 
     from marlaas import vllm_plugin
 
+    from marlaas.vllm_plugin import fused_linear
+
     originals = {name: getattr(punica_cpu, name) for name in vllm_plugin.OPS}
+    original_linear = punica_cpu.PunicaWrapperCPU.add_lora_linear
     try:
         monkeypatch.setenv(vllm_plugin.KERNELS_ENV, "vllm")
         vllm_plugin.register()
         assert all(getattr(punica_cpu, name) is originals[name] for name in vllm_plugin.OPS)
+        assert punica_cpu.PunicaWrapperCPU.add_lora_linear is original_linear
         monkeypatch.setenv(vllm_plugin.KERNELS_ENV, "grouped")
         vllm_plugin.register()
         assert all(getattr(punica_cpu, name) is getattr(lora_ops, name) for name in vllm_plugin.OPS)
+        assert punica_cpu.PunicaWrapperCPU.add_lora_linear is original_linear
+        monkeypatch.setenv(vllm_plugin.KERNELS_ENV, "fused")
+        vllm_plugin.register()
+        vllm_plugin.register()  # twice: still one layer of wrapping
+        assert all(getattr(punica_cpu, name) is getattr(lora_ops, name) for name in vllm_plugin.OPS)
+        assert punica_cpu.PunicaWrapperCPU.add_lora_linear is fused_linear.add_lora_linear
+        assert fused_linear._vllm_add_lora_linear is original_linear
     finally:
         for name, op in originals.items():
             setattr(punica_cpu, name, op)
+        punica_cpu.PunicaWrapperCPU.add_lora_linear = original_linear
 
 
 def test_the_plugin_is_declared_to_vllm():

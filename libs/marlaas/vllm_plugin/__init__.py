@@ -1,11 +1,17 @@
-"""marlaas's vLLM plugin: grouped LoRA kernels for the CPU engine.
+"""marlaas's vLLM plugin: faster LoRA for the CPU engine.
 
 vLLM loads general plugins (entry point group ``vllm.general_plugins``, declared in
 pyproject.toml) in every process that runs its model, the engine core included, so this is
 the one place where the engine's code can be changed. :func:`register` does nothing unless
-the platform is CPU and ``MARLAAS_CPU_LORA_KERNELS`` is ``grouped`` (what rollout sets for
-``rollout.cpu_lora_kernels = "grouped"``, the default); it then swaps the six LoRA ops of
-vLLM's CPU punica wrapper for those of :mod:`marlaas.vllm_plugin.lora_ops`.
+the platform is CPU and ``MARLAAS_CPU_LORA_KERNELS`` (what rollout sets from
+``rollout.cpu_lora_kernels``) asks for it:
+
+- ``grouped``: the six LoRA ops of vLLM's CPU punica wrapper become those of
+  :mod:`marlaas.vllm_plugin.lora_ops` (one matmul per adapter in the batch);
+- ``fused`` (the default): ``grouped``, and the wrapper's ``add_lora_linear`` (every LoRA
+  linear layer of the model) becomes :func:`marlaas.vllm_plugin.fused_linear.add_lora_linear`
+  (all slices and all adapters of a step in two matmuls);
+- ``vllm``: nothing changes.
 """
 
 from __future__ import annotations
@@ -13,12 +19,14 @@ from __future__ import annotations
 import os
 
 KERNELS_ENV = "MARLAAS_CPU_LORA_KERNELS"
+KERNELS = ("fused", "grouped", "vllm")
 OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice", "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice")
 
 
 def register() -> None:
-    """Install the grouped CPU LoRA ops when asked to (idempotent: vLLM may call it repeatedly)."""
-    if os.environ.get(KERNELS_ENV, "vllm") != "grouped":
+    """Install the CPU LoRA kernels asked for (idempotent: vLLM may call it repeatedly)."""
+    kernels = os.environ.get(KERNELS_ENV, "vllm")
+    if kernels not in ("fused", "grouped"):
         return
     from vllm.platforms import current_platform
 
@@ -26,7 +34,9 @@ def register() -> None:
         return
     from vllm.lora.punica_wrapper import punica_cpu
 
-    from marlaas.vllm_plugin import lora_ops
+    from marlaas.vllm_plugin import fused_linear, lora_ops
 
     for name in OPS:
         setattr(punica_cpu, name, getattr(lora_ops, name))
+    if kernels == "fused":
+        fused_linear.install(punica_cpu.PunicaWrapperCPU)
