@@ -188,6 +188,7 @@ class PolicyEngine:
             n=1, max_tokens=max_tokens, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
             logprobs=0, seed=seed, stop=stop or None, include_stop_str_in_output=True, ignore_eos=ignore_eos,
             output_kind=RequestOutputKind.FINAL_ONLY,
+            flat_logprobs=True,  # flat lists, not a dict of Logprob objects per token
         )
         final = None
         with self.utilization.engine_request():
@@ -198,7 +199,10 @@ class PolicyEngine:
             raise RuntimeError(f"engine returned no completion for a {len(prompt_ids)}-token prompt")
         out = final.outputs[0]
         ids = list(out.token_ids)
-        logprobs = [step[token].logprob for step, token in zip(out.logprobs, ids)]
+        flat = out.logprobs  # logprobs=0: each position holds the sampled token's alone
+        if [flat.token_ids[i] for i in flat.start_indices] != ids:
+            raise RuntimeError("the engine's logprobs are not those of the tokens it sampled")
+        logprobs = [flat.logprobs[i] for i in flat.start_indices]
         return Completion(ids, logprobs, out.text, out.finish_reason or "length", out.stop_reason,
                           final.num_cached_tokens or 0)
 
