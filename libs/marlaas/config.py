@@ -55,7 +55,11 @@ class RolloutConfig(Section):
 
 class TrainerConfig(Section):
     device: Literal["cpu", "cuda", "npu"] = "cpu"
-    hot_adapters: Annotated[int, msgspec.Meta(ge=1)] = 16  # jobs whose adapter + optimizer stay in memory
+    # jobs whose adapter and optimizer stay in the trainer's memory between steps (a cold job is
+    # loaded from the store): at most hot_adapters, and no more than fit in hot_memory_gib
+    # (weights, gradients and AdamW's two moments of each adapter)
+    hot_adapters: Annotated[int, msgspec.Meta(ge=1)] = 256
+    hot_memory_gib: Annotated[float, msgspec.Meta(gt=0)] = 4.0
     micro_batch_tokens: Annotated[int, msgspec.Meta(ge=1)] = 4096  # padded tokens per forward/backward
     torch_threads: int = 0  # 0 = auto: on cpu, all cores but one (the engine's)
     # chaos runs only (libs/marlaas/bench/chaos.py): SIGKILL itself with this probability right

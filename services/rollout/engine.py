@@ -140,13 +140,15 @@ class PolicyEngine:
     async def check_lora_kernels(self, wanted: str) -> str | None:
         """:meth:`lora_kernels`, or a clear error when they are not those configured."""
         running = await self.lora_kernels()
-        if running is not None and running != wanted:
-            raise RuntimeError(
-                f"rollout.cpu_lora_kernels = {wanted!r} but the vLLM engine core runs {running!r}: vLLM did not "
-                "load marlaas's plugin (the 'vllm.general_plugins' entry point 'marlaas_cpu_lora'). Reinstall the "
-                "project (make setup, or pip install -e .) so that its entry points are registered, or set "
-                "rollout.cpu_lora_kernels = \"vllm\"")
-        return running
+        if running is None or running == wanted:
+            return running
+        if running == "vllm":
+            why = ("vLLM did not load marlaas's plugin (the 'vllm.general_plugins' entry point 'marlaas_cpu_lora'). "
+                   "Reinstall the project (make setup, or pip install -e .) so that its entry points are registered, "
+                   "or set rollout.cpu_lora_kernels = \"vllm\"")
+        else:
+            why = f"the engine core saw {KERNELS_ENV}={running}; do not set it by hand, rollout sets it from the config"
+        raise RuntimeError(f"rollout.cpu_lora_kernels = {wanted!r} but the vLLM engine core runs {running!r}: {why}")
 
     def loaded_version(self, job: str) -> int:
         """The version of the adapter this engine serves for ``job`` (-1: none loaded)."""

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
@@ -94,12 +95,18 @@ def head_split_matches(model: torch.nn.Module) -> bool:
 
 @dataclass
 class HotJob:
-    """A job resident in the trainer: adapter ``slot`` in the peft model at ``version``."""
+    """A job resident in the trainer: adapter ``slot`` in the peft model at ``version``.
+
+    ``exported`` names each of its parameters as peft's saved state dict does (worked out once at
+    load, so an export does not walk every hot job's parameters); ``config_json`` is its PEFT config.
+    """
 
     slot: str
     version: int
     optimizer: torch.optim.AdamW
     params: list[torch.nn.Parameter] = field(default_factory=list)
+    exported: dict[str, torch.nn.Parameter] = field(default_factory=dict)
+    config_json: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -115,8 +122,8 @@ class StepResult:
 class PolicyTrainer:
     """GRPO updates of many jobs' LoRAs over one shared frozen base model."""
 
-    def __init__(self, base_model_dir: Path, device: str = "cpu", hot_adapters: int = 16,
-                 micro_batch_tokens: int = 4096) -> None:
+    def __init__(self, base_model_dir: Path, device: str = "cpu", hot_adapters: int = 256,
+                 micro_batch_tokens: int = 4096, hot_memory_bytes: int = 4 << 30) -> None:
         self.device = pick_device(device)
         base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32)
         base.to(self.device)
@@ -127,8 +134,11 @@ class PolicyTrainer:
         self.model: PeftModel | None = None
         self.hot: OrderedDict[str, HotJob] = OrderedDict()
         self.max_hot = hot_adapters
+        self.hot_memory_bytes = hot_memory_bytes
         self._slots = itertools.count()
         self._parked: list[str] = []
+        self._tuner_layers: list[BaseTunerLayer] = []  # the LoRA layers (the same objects for every adapter)
+        self._active: str | None = None  # the adapter set active by _activate (None: unknown)
 
     # --- residency ---------------------------------------------------------------------------
 
@@ -145,8 +155,10 @@ class PolicyTrainer:
         config = LoraConfig(**{k: v for k, v in json.loads(config_json).items()
                                if k in LoraConfig.__dataclass_fields__})
         config.inference_mode = False
+        self._active = None  # adding and deleting adapters may change peft's active one
         if self.model is None:
             self.model = get_peft_model(self.base, config, adapter_name=slot)
+            self._tuner_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
         else:
             self.model.add_adapter(slot, config)
             while self._parked:
@@ -167,9 +179,23 @@ class PolicyTrainer:
                                       weight_decay=settings.weight_decay)
         if optimizer_state:
             optimizer.load_state_dict(torch.load(io.BytesIO(optimizer_state), weights_only=True))
-        self.hot[job] = HotJob(slot, version, optimizer, params)
-        while len(self.hot) > self.max_hot:
+        by_storage = {p.data_ptr(): p for p in params}
+        exported = {key: by_storage.get(t.data_ptr())
+                    for key, t in get_peft_model_state_dict(self.model, adapter_name=slot).items()}
+        if None in exported.values():  # something saved that is not one of its parameters: ask peft each time
+            exported = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            self.model.peft_config[slot].save_pretrained(tmp)
+            saved_config = (Path(tmp) / CONFIG_FILE).read_bytes()
+        self.hot[job] = HotJob(slot, version, optimizer, params, exported, saved_config)
+        while len(self.hot) > self.hot_limit(params):
             self.evict(next(iter(self.hot)))
+
+    def hot_limit(self, params: list[torch.nn.Parameter]) -> int:
+        """How many jobs stay hot: ``max_hot``, fewer if that many adapters of this size (weights,
+        gradients and AdamW's two moments) would take more than ``hot_memory_bytes``."""
+        job_bytes = 4 * sum(p.numel() * p.element_size() for p in params)
+        return max(1, min(self.max_hot, self.hot_memory_bytes // max(job_bytes, 1)))
 
     def evict(self, job: str) -> None:
         """Drop a job's adapter and optimizer from memory (peft needs one adapter left: park it)."""
@@ -213,10 +239,11 @@ class PolicyTrainer:
         hot = self.hot[job]
         self.hot.move_to_end(job)
         model = self.model
-        model.set_adapter(hot.slot)
+        self._activate(hot.slot)
         for p in hot.params:
             p.requires_grad_(True)
-        model.train()
+        if not model.training:
+            model.train()
         samples = batch.samples
         rewards_B = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         groups_B = torch.tensor([s.group for s in samples])
@@ -265,17 +292,24 @@ class PolicyTrainer:
                                    head, temperature)
         return torch.zeros(mask_B_T.shape, device=self.device).index_put((rows_N, cols_N), logprobs_N)
 
+    def _activate(self, slot: str) -> None:
+        """Make ``slot`` the adapter of the forward pass: what ``PeftModel.set_adapter`` does for LoRA
+        layers, without its walk over every module of the model (every hot job's included)."""
+        if self._active == slot:
+            return
+        for layer in self._tuner_layers:
+            layer.set_adapter(slot)
+        self.model.base_model.active_adapter = slot
+        self._active = slot
+
     def export(self, job: str) -> tuple[bytes, bytes, bytes]:
         """The hot job's adapter as PEFT files (config JSON, safetensors) and its optimizer state."""
         hot = self.hot[job]
-        state = get_peft_model_state_dict(self.model, adapter_name=hot.slot)
+        state = hot.exported or get_peft_model_state_dict(self.model, adapter_name=hot.slot)
         weights = save_safetensors({k: v.detach().to("cpu").contiguous() for k, v in state.items()})
-        with tempfile.TemporaryDirectory() as tmp:
-            self.model.peft_config[hot.slot].save_pretrained(tmp)
-            config_json = (Path(tmp) / CONFIG_FILE).read_bytes()
         buf = io.BytesIO()
         torch.save(hot.optimizer.state_dict(), buf)
-        return config_json, weights, buf.getvalue()
+        return hot.config_json, weights, buf.getvalue()
 
     def _pack(self, samples: list[Sample]):
         """Right-pad prompt + completion into tensors; the mask covers trained completion tokens."""

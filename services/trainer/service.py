@@ -171,7 +171,7 @@ async def run(rt: Runtime) -> None:
         torch.set_num_threads(threads)
     policy = await asyncio.to_thread(
         PolicyTrainer, cfg.base_model_dir, cfg.trainer.device, cfg.trainer.hot_adapters,
-        cfg.trainer.micro_batch_tokens,
+        cfg.trainer.micro_batch_tokens, int(cfg.trainer.hot_memory_gib * (1 << 30)),
     )
     trainer = Trainer(rt.bus, rt.store, policy, cfg.trainer.fault_crash_p)
     await trainer.reannounce_committed()

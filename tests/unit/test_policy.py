@@ -125,6 +125,45 @@ def test_jobs_keep_separate_adapters(base_dir, v0):
     assert not all(torch.equal(a[k], init[k]) for k in init)
 
 
+def test_an_export_is_what_peft_saves_for_the_adapter(base_dir, v0, tmp_path):
+    """The trainer names a hot job's tensors once at load; each export must still equal peft's own."""
+    from peft.utils import get_peft_model_state_dict
+
+    trainer = PolicyTrainer(base_dir)
+    for job in ("t.a", "t.b", "t.c"):
+        trainer.load(job, 0, *v0, None, SETTINGS)
+    trainer.train_step("t.b", batch([1.0, 0.0, 0.0, 0.0]), SETTINGS)
+    trainer.train_step("t.a", batch([0.0, 1.0, 0.0, 0.0]), SETTINGS)
+    for job in ("t.a", "t.b", "t.c"):
+        config_json, weights, _ = trainer.export(job)
+        slot = trainer.hot[job].slot
+        theirs = get_peft_model_state_dict(trainer.model, adapter_name=slot)
+        ours = load_safetensors(weights)
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+        trainer.model.peft_config[slot].save_pretrained(tmp_path / job)
+        assert config_json == (tmp_path / job / "adapter_config.json").read_bytes()
+    assert trainer.model.active_adapter == trainer.hot["t.a"].slot  # the last trained
+
+
+def test_the_hot_set_is_bounded_by_count_and_by_memory(base_dir, v0):
+    """Least recently trained jobs leave first, when more are hot than the count or the memory allows."""
+    by_count = PolicyTrainer(base_dir, hot_adapters=2)
+    for job in ("t.a", "t.b", "t.c"):
+        by_count.load(job, 0, *v0, None, SETTINGS)
+    assert list(by_count.hot) == ["t.b", "t.c"]
+
+    job_bytes = 4 * sum(p.numel() * p.element_size() for p in by_count.hot["t.c"].params)
+    by_memory = PolicyTrainer(base_dir, hot_adapters=256, hot_memory_bytes=2 * job_bytes + job_bytes // 2)
+    for job in ("t.a", "t.b", "t.c"):
+        by_memory.load(job, 0, *v0, None, SETTINGS)
+        by_memory.train_step(job, batch([1.0, 0.0, 0.0, 0.0]), SETTINGS)
+    by_memory.load("t.a", 1, *by_memory.export("t.c")[:2], None, SETTINGS)  # t.b trained least recently
+    assert list(by_memory.hot) == ["t.c", "t.a"]
+    assert by_memory.hot_limit(by_memory.hot["t.a"].params) == 2
+    assert PolicyTrainer(base_dir, hot_memory_bytes=1).hot_limit(by_memory.hot["t.a"].params) == 1  # always one
+
+
 def test_an_absent_accelerator_is_a_clear_error():
     from services.trainer.policy import pick_device
 
