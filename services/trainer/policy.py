@@ -293,12 +293,18 @@ class PolicyTrainer:
         return torch.zeros(mask_B_T.shape, device=self.device).index_put((rows_N, cols_N), logprobs_N)
 
     def _activate(self, slot: str) -> None:
-        """Make ``slot`` the adapter of the forward pass: what ``PeftModel.set_adapter`` does for LoRA
-        layers, without its walk over every module of the model (every hot job's included)."""
+        """Make ``slot`` the adapter of the forward pass, in time independent of how many jobs are hot.
+
+        ``PeftModel.set_adapter`` walks every module of the model, and each LoRA layer's
+        ``set_adapter`` then sets ``requires_grad`` on every hot job's matrices: 27 ms a switch
+        with 32 jobs hot, 10 % of a step. What the forward pass reads is the layer's active
+        adapter list (``_active_adapter``, peft's own record), so only that is set here; the
+        job's own parameters are made trainable by the caller, and another job's never enter
+        the graph (``test_jobs_keep_separate_adapters``)."""
         if self._active == slot:
             return
         for layer in self._tuner_layers:
-            layer.set_adapter(slot)
+            layer._active_adapter = [slot]
         self.model.base_model.active_adapter = slot
         self._active = slot
 

@@ -22,7 +22,7 @@ from marlaas.adapters import attempt_prefix, read_adapter, write_adapter
 from marlaas.commits import announce, read_job, report_failure
 from marlaas.bus import VERSIONS_BUCKET, Bus, Delivery, StaleRevision
 from marlaas.events import (
-    BATCH, COMMITTED, TRAJECTORY, CommittedVersion, EventDecodeError, JobSpec,
+    BATCH, COMMITTED, JOB, TRAJECTORY, CommittedVersion, EventDecodeError, JobSpec, JobStateChanged,
     TrajectoryBatch, TrajectoryReady, encode,
 )
 from marlaas.runtime import Runtime
@@ -48,6 +48,17 @@ class Trainer:
     def __init__(self, bus: Bus, store: ObjectStore, policy: PolicyTrainer, fault_crash_p: float = 0.0) -> None:
         self.bus, self.store, self.policy = bus, store, policy
         self.fault_crash_p = fault_crash_p
+        self.finished: set[str] = set()  # jobs to drop from memory before the next step
+
+    async def on_job_state(self, msg) -> None:
+        """Note a finished job, to drop its adapter and optimizer from memory. The drop waits for
+        the training thread (``_train``): the model must not change under a step in progress."""
+        try:
+            event = JOB.decode(msg.data)
+        except EventDecodeError:
+            return
+        if isinstance(event, JobStateChanged) and event.state.finished:
+            self.finished.add(event.job)
 
     async def reannounce_committed(self) -> None:
         """Crash recovery: announce every committed version (NATS dedups the ones already out)."""
@@ -125,6 +136,8 @@ class Trainer:
                spec: JobSpec) -> tuple[int, StepResult]:
         """Load the job if it is cold (or at another version), then one GRPO step; return the
         version of the in-memory adapter the step started from, and the step's result."""
+        while self.finished:
+            self.policy.evict(self.finished.pop())
         if self.policy.hot_version(committed.job) != committed.version:
             config_json, weights = read_adapter(self.store, committed.adapter)
             optimizer = self.store.fetch(committed.optimizer) if committed.optimizer else None
@@ -174,6 +187,7 @@ async def run(rt: Runtime) -> None:
         cfg.trainer.micro_batch_tokens, int(cfg.trainer.hot_memory_gib * (1 << 30)),
     )
     trainer = Trainer(rt.bus, rt.store, policy, cfg.trainer.fault_crash_p)
+    await rt.bus.nc.subscribe("marlaas.job.state.>", cb=trainer.on_job_state)
     await trainer.reannounce_committed()
     rt.ready()
     log.info("ready", device=cfg.trainer.device, base_model=str(cfg.base_model_dir))

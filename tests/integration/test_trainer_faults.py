@@ -36,7 +36,7 @@ from marlaas.commits import policy_subject
 from marlaas.config import load_config
 from marlaas.events import (
     COMMITTED, JOB, JOB_RECORD, POLICY, TRAJECTORY, CommittedVersion, GrpoSettings, JobRecord, JobSpec, JobState,
-    LoraSettings, Sample, TrajectoryBatch, TrajectoryReady, encode,
+    JobStateChanged, LoraSettings, Sample, TrajectoryBatch, TrajectoryReady, encode,
 )
 from marlaas.store import FileStore
 from marlaas.telemetry import read_spans
@@ -650,3 +650,27 @@ async def test_a_batch_whose_stored_bytes_do_not_match_their_sha256_is_never_tra
     assert len(reasons) == 1 and "sha256" in reasons[0], reasons
     assert reasons[0].startswith(f"batch {spec.id}:v0 failed after 2 attempts: "), reasons
     assert await version_history(bus, spec.id) == [0] and await trained(bus, spec.id) == []
+
+
+async def test_a_finished_job_leaves_the_trainers_memory_before_the_next_step(bus, file_store, deliveries):
+    """A job that finished (completed, cancelled, failed) gives up its hot slot: a trainer serving
+    many jobs over time must not carry every finished one (each makes switching adapters slower)."""
+    trainer = Trainer(bus, file_store, PolicyTrainer(BASE))
+    await bus.nc.subscribe("marlaas.job.state.>", cb=trainer.on_job_state)
+    done, going = await running_job(bus, file_store, "done"), await running_job(bus, file_store, "going")
+    for job, version in ((done.id, 0), (going.id, 0)):
+        await publish_batch(bus, file_store, job, version, batch_of(version))
+        await trainer.handle(await deliveries.next())
+    assert set(trainer.policy.hot) == {done.id, going.id}
+
+    await bus.publish(f"marlaas.job.state.{done.id}", encode(JobStateChanged(job=done.id, state=JobState.COMPLETED)))
+    await bus.publish(f"marlaas.job.state.{going.id}", encode(JobStateChanged(job=going.id, state=JobState.RUNNING)))
+    await bus.nc.flush()
+    await asyncio.sleep(0.2)
+    assert set(trainer.policy.hot) == {done.id, going.id}  # dropped by the training thread, not under it
+    await publish_batch(bus, file_store, going.id, 1, batch_of(1))
+    delivery = await deliveries.next()
+    await trainer.handle(delivery)
+    assert delivery.outcome == "ack"
+    assert set(trainer.policy.hot) == {going.id}
+    assert (await committed(bus, going.id)).version == 2
