@@ -202,6 +202,7 @@ class PolicyTrainer:
         hot = self.hot.pop(job, None)
         if hot is None:
             return
+        self._active = None  # deleting the active adapter makes peft pick another
         if len(self.model.peft_config) > 1:
             self.model.delete_adapter(hot.slot)
         else:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 
 KERNELS_ENV = "MARLAAS_CPU_LORA_KERNELS"
-KERNELS = ("fused", "grouped", "vllm")
 OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice", "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice")
 
 
