@@ -391,3 +391,28 @@ async def test_a_message_that_keeps_failing_is_given_up_after_max_deliver(bus):
     await asyncio.wait_for(bus.consume("JOBS", "giveup", "marlaas.job.failure.>", always_fails, stop=stop,
                                        max_deliver=3, retry_delay_s=0.05, on_give_up=give_up), 30)
     assert attempts == [1, 2, 3] and given_up == [(3, "store unreachable")]
+
+
+async def test_a_read_from_a_replica_that_is_behind_is_read_again_until_it_has_caught_up(bus, monkeypatch):
+    """``read_all`` trusts the leader's count, not one read. A reader placed on a lagging replica
+    (simulated here: the first two reads miss the newest message, as a replica still applying it
+    would) is read again; one that never catches up gives what it has when ``catch_up_s`` ends."""
+    subject = "marlaas.policy.committed.acme.lag"
+    for version in range(3):
+        await bus.publish(subject, f"v{version}".encode(), msg_id=f"acme.lag:{version}")
+    read_once, reads = bus._read_once, []
+
+    async def lagging(stream, wanted, behind_for: int):
+        found = await read_once(stream, wanted)
+        reads.append(len(found))
+        return found[:-1] if len(reads) <= behind_for else found
+
+    monkeypatch.setattr(bus, "_read_once", lambda stream, wanted: lagging(stream, wanted, behind_for=2))
+    assert await bus.read_all("POLICY", subject) == [b"v0", b"v1", b"v2"]
+    assert len(reads) == 3  # two short reads, then the whole stream
+
+    reads.clear()
+    monkeypatch.setattr(bus, "_read_once", lambda stream, wanted: lagging(stream, wanted, behind_for=10**6))
+    started = time.monotonic()
+    assert await bus.read_all("POLICY", subject, catch_up_s=1.0) == [b"v0", b"v1"]
+    assert len(reads) >= 2 and time.monotonic() - started < 10
