@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from marlaas.vllm_plugin.lora_ops import GroupingCache
+
 PAD_LIMIT = 2  # use the padded layout while it has at most this many rows per token (+ PAD_SLACK)
 PAD_SLACK = 64
 
@@ -109,22 +111,7 @@ class FusedWeights:
         return self._picked[1], self._picked[2]
 
 
-class _PlanCache:
-    """The last :class:`StepPlan`, reused while the token index tensor is unchanged (see lora_ops)."""
-
-    def __init__(self) -> None:
-        self._key: tuple = ()
-        self._kept: torch.Tensor | None = None
-        self.plan = StepPlan(())
-
-    def get(self, indices_B: torch.Tensor, num_slots: int) -> StepPlan:
-        key = (indices_B.data_ptr(), indices_B._version, tuple(indices_B.shape), num_slots)
-        if key != self._key:
-            self.plan, self._key, self._kept = plan_step(indices_B, num_slots), key, indices_B
-        return self.plan
-
-
-_plans = _PlanCache()
+_plans = GroupingCache()  # this step's StepPlan, kept while the token index tensor is unchanged
 
 
 def lora_delta(x_B_I: torch.Tensor, a_N_I_R: torch.Tensor, b_N_R_O: torch.Tensor, plan: StepPlan,
@@ -155,8 +142,9 @@ def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tupl
                                      buffer=buffer, **kwargs)
     weights = _weights_of(lora_a_stacked[0])
     weights.update(tuple(lora_a_stacked), tuple(lora_b_stacked), tuple(output_slices))
-    plan = _plans.get(indices_B, lora_a_stacked[0].shape[0])
-    if plan.slots == (lora_a_stacked[0].shape[0],):  # no token has an adapter
+    num_slots = lora_a_stacked[0].shape[0]  # the same for every layer of the engine
+    plan = _plans.get((indices_B,), lambda: plan_step(indices_B, num_slots))
+    if plan.slots == (num_slots,):  # no token has an adapter
         return None
     a_N_I_R, b_N_R_O = weights.pick(plan.slots)
     if len(plan.slots) == 1 and y_B_O.dtype == torch.float32:  # one adapter: add in place

@@ -26,7 +26,8 @@ Groups = list[tuple[int, "torch.Tensor | None"]]  # (adapter slot, its token row
 
 
 class GroupingCache:
-    """The last grouping of tokens by adapter, reused while its index tensors are unchanged.
+    """The last grouping of tokens by adapter (here :data:`Groups`, in fused_linear a ``StepPlan``),
+    reused while its index tensors are unchanged.
 
     Every LoRA op of a forward pass (a few per layer) gets the same index tensors, so the
     grouping is computed once per step. The key is each tensor's address, shape and version
@@ -37,9 +38,9 @@ class GroupingCache:
     def __init__(self) -> None:
         self._key: tuple = ()
         self._kept: tuple[torch.Tensor, ...] = ()
-        self._groups: Groups = []
+        self._groups = []
 
-    def get(self, tensors: tuple[torch.Tensor, ...], build) -> Groups:
+    def get(self, tensors: tuple[torch.Tensor, ...], build):
         key = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in tensors)
         if key != self._key:
             self._groups, self._key, self._kept = build(), key, tensors
