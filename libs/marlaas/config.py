@@ -60,7 +60,7 @@ class TrainerConfig(Section):
     # (weights, gradients and AdamW's two moments of each adapter)
     hot_adapters: Annotated[int, msgspec.Meta(ge=1)] = 256
     hot_memory_gib: Annotated[float, msgspec.Meta(gt=0)] = 4.0
-    micro_batch_tokens: Annotated[int, msgspec.Meta(ge=1)] = 4096  # padded tokens per forward/backward
+    micro_batch_tokens: Annotated[int, msgspec.Meta(ge=1)] = 2048  # padded tokens per forward/backward
     torch_threads: int = 0  # 0 = auto: on cpu, all cores but one (the engine's)
     # chaos runs only (libs/marlaas/bench/chaos.py): SIGKILL itself with this probability right
     # after writing an adapter (not committed) and right after committing (not announced)

@@ -44,11 +44,18 @@ from torch.utils.checkpoint import checkpoint
 
 
 def group_advantages(rewards_B: torch.Tensor, groups_B: torch.Tensor, scale_by_std: bool = True) -> torch.Tensor:
-    """Center each reward on its group's mean (and divide by its std); equal rewards get 0."""
+    """Center each reward on its group's mean (and divide by its std); equal rewards get exactly 0.
+
+    Exactly: the float mean of equal rewards can differ from them in the last bit (eight
+    rewards of 0.3 leave residues of 3e-8, which the 1e-4 floor of the std turns into
+    advantages of 3e-4), and the trainer skips samples whose advantage is 0.
+    """
     advantages_B = torch.zeros_like(rewards_B)
     for group in groups_B.unique():
         members = groups_B == group
         r = rewards_B[members]
+        if bool((r == r[0]).all()):
+            continue
         std = r.std(unbiased=False) if r.numel() > 1 else torch.tensor(0.0)
         advantages_B[members] = (r - r.mean()) / (std + 1e-4) if scale_by_std else r - r.mean()
     return advantages_B

@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM
 
 from marlaas.adapters import CONFIG_FILE
 from marlaas.events import GrpoSettings, Sample, TrajectoryBatch
+from services.trainer.fused_lora import fuse_lora_layers
 from services.trainer.grpo import (
     GrpoLoss, group_advantages, grpo_loss, head_logprobs, micro_batches, scored_positions, token_logprobs,
 )
@@ -123,7 +124,7 @@ class PolicyTrainer:
     """GRPO updates of many jobs' LoRAs over one shared frozen base model."""
 
     def __init__(self, base_model_dir: Path, device: str = "cpu", hot_adapters: int = 256,
-                 micro_batch_tokens: int = 4096, hot_memory_bytes: int = 4 << 30) -> None:
+                 micro_batch_tokens: int = 2048, hot_memory_bytes: int = 4 << 30) -> None:
         self.device = pick_device(device)
         base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32)
         base.to(self.device)
@@ -158,11 +159,13 @@ class PolicyTrainer:
         self._active = None  # adding and deleting adapters may change peft's active one
         if self.model is None:
             self.model = get_peft_model(self.base, config, adapter_name=slot)
-            self._tuner_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
         else:
             self.model.add_adapter(slot, config)
             while self._parked:
                 self.model.delete_adapter(self._parked.pop())
+        # a job may target modules no earlier job did: their new LoRA layers join the list
+        self._tuner_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        fuse_lora_layers(self.model)
         try:
             state = {k: v.to(self.device) for k, v in load_safetensors(weights).items()}
             result = set_peft_model_state_dict(self.model, state, adapter_name=slot)
@@ -234,8 +237,13 @@ class PolicyTrainer:
         """Set the job's gradients to those of the batch's GRPO loss, one micro-batch at a time.
 
         Micro-batches hold at most ``micro_batch_tokens`` padded tokens; each adds its
-        share of the whole-batch loss (see grpo.py), so the gradients and the returned
-        metrics (loss, clip_fraction, kl, logprob_gap, tokens) are the whole batch's.
+        share of the whole-batch loss (see grpo.py), so the gradients and the loss are the
+        whole batch's. Without a KL term, a sample whose advantage is 0 (every sample of a
+        group whose rewards are all equal) adds exactly 0 to the loss and to every gradient,
+        whatever its logprobs: it is not run through the model at all. The token count N
+        that divides the loss is still the whole batch's, so the gradients are unchanged.
+        ``clip_fraction`` and ``logprob_gap`` are then averages over the scored tokens
+        (``tokens_scored``) rather than all ``tokens``.
         """
         hot = self.hot[job]
         self.hot.move_to_end(job)
@@ -250,11 +258,14 @@ class PolicyTrainer:
         groups_B = torch.tensor([s.group for s in samples])
         advantages_B = group_advantages(rewards_B, groups_B, settings.scale_by_std).to(self.device)
         total_tokens = float(sum(sum(s.loss_mask) for s in samples))
+        scored = [i for i in range(len(samples)) if settings.kl_coef > 0 or advantages_B[i] != 0]
+        scored_tokens = float(sum(sum(samples[i].loss_mask) for i in scored))
         sums = dict.fromkeys(("loss", "clip_fraction", "kl", "logprob_gap"), 0.0)
         hot.optimizer.zero_grad(set_to_none=True)
-        lengths_B = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-        for rows in micro_batches(lengths_B, self.micro_batch_tokens):
-            out = self._micro_batch_loss([samples[i] for i in rows], advantages_B[rows], total_tokens, settings)
+        lengths = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in scored]
+        for rows in micro_batches(lengths, self.micro_batch_tokens):
+            picked = [scored[r] for r in rows]
+            out = self._micro_batch_loss([samples[i] for i in picked], advantages_B[picked], total_tokens, settings)
             if not torch.isfinite(out.loss):
                 raise NonFiniteUpdate(f"loss is {out.loss.item()} at version {hot.version}")
             if out.loss.requires_grad:  # no masked token in this micro-batch: nothing to backpropagate
@@ -262,32 +273,39 @@ class PolicyTrainer:
             for key, value in (("loss", out.loss.item()), ("clip_fraction", out.clip_fraction),
                                ("kl", out.kl), ("logprob_gap", out.logprob_gap)):
                 sums[key] += value
+        for key in ("clip_fraction", "logprob_gap"):  # shares of N: make them means over the scored tokens
+            sums[key] *= total_tokens / scored_tokens if scored_tokens else 0.0
         for p in hot.params:  # a batch with no scored token still steps (AdamW momentum), as before
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        return {**sums, "tokens": total_tokens}
+        return {**sums, "tokens": total_tokens, "tokens_scored": scored_tokens}
 
     def _micro_batch_loss(self, samples: list[Sample], advantages_M: torch.Tensor, total_tokens: float,
                           settings: GrpoSettings) -> GrpoLoss:
         """These samples' share of the batch loss (their token sums over the batch's ``total_tokens``)."""
-        tokens_M_T, mask_M_T, sample_lp_M_T, attn_M_T = self._pack(samples)
+        tokens_M_T, mask_M_T, sample_lp_M_T = self._pack(samples)
         ref_lp_M_T = None
         if settings.kl_coef > 0:  # the reference is the base, scored at the same temperature
             with torch.no_grad(), self.model.disable_adapter():
-                ref_lp_M_T = self._score(tokens_M_T, attn_M_T, mask_M_T, settings.temperature)
-        logprobs_M_T = self._score(tokens_M_T, attn_M_T, mask_M_T, settings.temperature)
+                ref_lp_M_T = self._score(tokens_M_T, mask_M_T, settings.temperature)
+        logprobs_M_T = self._score(tokens_M_T, mask_M_T, settings.temperature)
         return grpo_loss(logprobs_M_T, sample_lp_M_T, mask_M_T, advantages_M, settings.clip_eps,
                          settings.kl_coef, ref_lp_M_T, total_tokens=total_tokens)
 
-    def _score(self, tokens_B_T: torch.Tensor, attn_B_T: torch.Tensor, mask_B_T: torch.Tensor,
-               temperature: float) -> torch.Tensor:
-        """Tempered logprobs of the masked-in tokens (0 elsewhere) under the model as it is set."""
+    def _score(self, tokens_B_T: torch.Tensor, mask_B_T: torch.Tensor, temperature: float) -> torch.Tensor:
+        """Tempered logprobs of the masked-in tokens (0 elsewhere) under the model as it is set.
+
+        No attention mask is passed: rows are right-padded and the model is causal, so every
+        real token precedes the padding and attends to none of it, and positions count from 0
+        as they do unpadded. The pads' own outputs are never scored. Without a padding mask the
+        attention runs its plain causal kernel (~4 % of a step on CPU).
+        """
         parts = find_decoder_and_head(self.model) if self.split_head else None
         if parts is None:
-            logits_B_T_V = self.model(input_ids=tokens_B_T, attention_mask=attn_B_T, use_cache=False).logits
+            logits_B_T_V = self.model(input_ids=tokens_B_T, use_cache=False).logits
             return token_logprobs(logits_B_T_V, tokens_B_T, temperature)
         decoder, head = parts
-        hidden_B_T_H = decoder(input_ids=tokens_B_T, attention_mask=attn_B_T, use_cache=False).last_hidden_state
+        hidden_B_T_H = decoder(input_ids=tokens_B_T, use_cache=False).last_hidden_state
         rows_N, cols_N = scored_positions(mask_B_T)
         logprobs_N = head_logprobs(hidden_B_T_H[rows_N, cols_N - 1], tokens_B_T[rows_N, cols_N],
                                    head, temperature)
@@ -324,14 +342,12 @@ class PolicyTrainer:
         width = max(len(r) for r in rows)
         B = len(rows)
         tokens_B_T = torch.zeros(B, width, dtype=torch.long)
-        attn_B_T = torch.zeros(B, width, dtype=torch.long)
         mask_B_T = torch.zeros(B, width)
         sample_lp_B_T = torch.zeros(B, width)
         for i, s in enumerate(samples):
             p, c = len(s.prompt_ids), len(s.completion_ids)
             tokens_B_T[i, : p + c] = torch.tensor(rows[i])
-            attn_B_T[i, : p + c] = 1
             mask_B_T[i, p : p + c] = torch.tensor(s.loss_mask, dtype=torch.float32)
             sample_lp_B_T[i, p : p + c] = torch.tensor(s.logprobs, dtype=torch.float32)
         d = self.device
-        return tokens_B_T.to(d), mask_B_T.to(d), sample_lp_B_T.to(d), attn_B_T.to(d)
+        return tokens_B_T.to(d), mask_B_T.to(d), sample_lp_B_T.to(d)

@@ -17,6 +17,17 @@ def test_advantages_are_normalized_within_each_group():
         assert abs(adv[groups == g].sum().item()) < 1e-5
 
 
+def test_a_group_of_equal_rewards_gets_exactly_zero_advantages():
+    """Eight rewards of 0.3 average to 0.3 only up to the last bit; the std floor would blow that up."""
+    rewards = torch.tensor([0.3] * 8 + [0.3] * 7 + [0.9])
+    groups = torch.tensor([0] * 8 + [1] * 8)
+    assert (rewards[:8] - rewards[:8].mean()).abs().max() > 0  # the residue this guards against
+    for scale_by_std in (True, False):
+        adv = group_advantages(rewards, groups, scale_by_std)
+        assert torch.equal(adv[:8], torch.zeros(8))
+        assert (adv[8:] != 0).all()
+
+
 def test_token_logprobs_score_the_next_token():
     logits = torch.randn(2, 5, 7)
     tokens = torch.randint(0, 7, (2, 5))

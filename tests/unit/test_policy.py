@@ -310,3 +310,73 @@ def test_the_decoder_and_head_are_found_through_peft(perturbed):
     assert head is perturbed.base.get_output_embeddings()
     assert any("lora_A" in name for name, _ in decoder.named_parameters())  # the adapter lives inside
     assert perturbed.split_head
+
+
+def test_a_group_of_equal_rewards_is_not_run_and_the_gradients_are_unchanged(perturbed):
+    """Without a KL term, equal rewards give advantages of exactly 0: their samples add nothing to
+    the loss or the gradients, so the trainer skips their forward/backward; N stays the batch's."""
+    trainer, job = perturbed, "t.job"
+    data = uneven_batch(trainer, job, 1.0)
+    samples = [msgspec.structs.replace(s, reward=1.0) if s.group == 1 else s for s in data.samples]
+    data = TrajectoryBatch(samples=samples)
+    params = trainer.hot[job].params
+    for p in params:
+        p.grad = None
+    expected = reference_loss(trainer, job, data, SETTINGS)  # every sample run, the equal group's adv 0
+    expected.backward()
+    expected_grads = [p.grad.clone() for p in params]
+
+    run: list[int] = []
+    original = trainer._micro_batch_loss
+    trainer._micro_batch_loss = lambda rows, *args: (run.extend(s.group for s in rows), original(rows, *args))[1]
+    try:
+        got = trainer.accumulate_gradients(job, data, GrpoSettings(temperature=1.0))
+    finally:
+        del trainer._micro_batch_loss
+    assert sorted(run) == [0, 0, 0, 0]  # only the group with a signal went through the model
+    assert got["tokens"] == sum(sum(s.loss_mask) for s in samples)
+    assert got["tokens_scored"] == sum(sum(s.loss_mask) for s in samples if s.group == 0)
+    assert abs(got["loss"] - expected.item()) < 1e-5
+    worst = max((p.grad - g).abs().max().item() for p, g in zip(params, expected_grads))
+    scale = max(g.abs().max().item() for g in expected_grads)
+    assert scale > 1e-3 and worst < 1e-5 * scale
+
+
+def test_the_fused_lora_layers_match_peft(perturbed):
+    """The trainer's LoRA layers fold the adapter's scale-and-add into one addmm: same logits and
+    gradients as peft's own layer (swapped back in for the comparison)."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    from services.trainer.fused_lora import FusedLoraLinear
+
+    trainer, job = perturbed, "t.job"
+    layers = [m for m in trainer.model.modules() if isinstance(m, LoraLinear)]
+    assert layers and all(type(m) is FusedLoraLinear for m in layers)
+    data = uneven_batch(trainer, job, 1.0)
+    tokens, attn, _, _ = pack(data.samples)
+    params = trainer.hot[job].params
+    trainer.model.set_adapter(trainer.hot[job].slot)
+
+    def logits_and_grads():
+        for p in params:
+            p.grad = None
+        logits = trainer.model(input_ids=tokens, attention_mask=attn).logits
+        (logits * attn[..., None]).square().mean().backward()
+        return logits.detach(), [p.grad.clone() for p in params]
+
+    fused_logits, fused_grads = logits_and_grads()
+    for m in layers:
+        m.__class__ = LoraLinear
+    try:
+        peft_logits, peft_grads = logits_and_grads()
+        with trainer.model.disable_adapter():  # the fallback path: peft's own forward, the base alone
+            base_logits = trainer.model(input_ids=tokens, attention_mask=attn).logits
+    finally:
+        for m in layers:
+            m.__class__ = FusedLoraLinear
+    with torch.no_grad(), trainer.model.disable_adapter():
+        assert torch.equal(trainer.model(input_ids=tokens, attention_mask=attn).logits, base_logits)
+    assert (peft_logits - base_logits).abs().max() > 1e-2  # the adapter matters here
+    assert torch.allclose(fused_logits, peft_logits, atol=1e-5)
+    for f, p in zip(fused_grads, peft_grads):
+        assert torch.allclose(f, p, atol=1e-6, rtol=1e-4)
