@@ -106,6 +106,9 @@ def run_metrics(spans: Sequence[Span], jobs: Sequence[dict], start: float, end: 
     wall = end - start
     steps = sum(j["steps"] for j in jobs)
     tokens = sum(float(s.attrs.get("tokens", 0)) for s in mine if s.phase == "generate")
+    trains = [s for s in mine if s.phase == "train" and "tokens" in s.attrs]
+    loss_tokens = sum(float(s.attrs["tokens"]) for s in trains)
+    scored_tokens = sum(float(s.attrs.get("tokens_scored", s.attrs["tokens"])) for s in trains)
     tools_pending = sum(float(s.attrs.get("tools_pending_s", 0)) for s in util if s.phase == "utilization")
     ttfs = [j["ttfs_s"] for j in jobs if j.get("ttfs_s") is not None]
     tpts = [j["tpts_s"] for j in jobs if j.get("tpts_s") is not None]
@@ -121,6 +124,8 @@ def run_metrics(spans: Sequence[Span], jobs: Sequence[dict], start: float, end: 
         "idle": 1.0 - fraction(engine + trainer, start, end),
         "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "tool_wait_fraction": tools_pending / wall if wall > 0 else 0.0,
+        # the share of trained tokens run through the model (the rest: groups of equal rewards)
+        "scored_token_share": scored_tokens / loss_tokens if loss_tokens else None,
         "ttfs_s": statistics.mean(ttfs) if ttfs else None,
         "tpts_s": statistics.mean(tpts) if tpts else None,
         "handoff_ms": summarize(handoff),
