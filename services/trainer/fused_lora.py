@@ -6,7 +6,7 @@ their two passes again in backward. On a CPU those element-wise passes are memor
 cost about as much as the small LoRA matmuls themselves. Here the adapter term is added by
 ``torch.addmm(base(x), dropout(x) @ A^T, B^T, alpha=scaling)``: the scale and the sum happen
 inside the second GEMM, and autograd's ``addmm`` backward gives the same gradients
-(``test_fused_lora_matches_peft``). One ``multiply`` GRPO step on one core: ~10 % less time.
+(``test_the_fused_lora_layers_match_peft``). One ``multiply`` GRPO step on one core: ~10 % less time.
 
 Only the plain case is fused (one active adapter, not merged, not disabled, no per-row adapter
 names, no DoRA or other variant); every other case is peft's own forward. The parameters, their

@@ -256,9 +256,10 @@ class PolicyTrainer:
         samples = batch.samples
         rewards_B = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         groups_B = torch.tensor([s.group for s in samples])
-        advantages_B = group_advantages(rewards_B, groups_B, settings.scale_by_std).to(self.device)
+        advantages_B = group_advantages(rewards_B, groups_B, settings.scale_by_std)
         total_tokens = float(sum(sum(s.loss_mask) for s in samples))
-        scored = [i for i in range(len(samples)) if settings.kl_coef > 0 or advantages_B[i] != 0]
+        scored = [i for i, a in enumerate(advantages_B.tolist()) if settings.kl_coef > 0 or a != 0]
+        advantages_B = advantages_B.to(self.device)
         scored_tokens = float(sum(sum(samples[i].loss_mask) for i in scored))
         sums = dict.fromkeys(("loss", "clip_fraction", "kl", "logprob_gap"), 0.0)
         hot.optimizer.zero_grad(set_to_none=True)
