@@ -15,6 +15,7 @@ names and what peft saves are untouched: only the layer's class changes (``fuse_
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -39,13 +40,10 @@ class FusedLoraLinear(LoraLinear):
         return out_N_O.view(*x.shape[:-1], out_N_O.shape[-1])
 
 
-def fuse_lora_layers(model: torch.nn.Module) -> int:
-    """Give every plain peft LoRA ``Linear`` in ``model`` the fused forward; returns how many.
+def fuse_lora_layers(layers: Iterable[torch.nn.Module]) -> None:
+    """Give every plain peft LoRA ``Linear`` among ``layers`` the fused forward.
 
     Subclasses of peft's layer (quantized bases and the like) keep their own forward."""
-    count = 0
-    for module in model.modules():
-        if type(module) is LoraLinear:
-            module.__class__ = FusedLoraLinear
-            count += 1
-    return count
+    for layer in layers:
+        if type(layer) is LoraLinear:
+            layer.__class__ = FusedLoraLinear

@@ -165,7 +165,7 @@ class PolicyTrainer:
                 self.model.delete_adapter(self._parked.pop())
         # a job may target modules no earlier job did: their new LoRA layers join the list
         self._tuner_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
-        fuse_lora_layers(self.model)
+        fuse_lora_layers(self._tuner_layers)
         try:
             state = {k: v.to(self.device) for k, v in load_safetensors(weights).items()}
             result = set_peft_model_state_dict(self.model, state, adapter_name=slot)
