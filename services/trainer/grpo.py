@@ -54,9 +54,9 @@ def group_advantages(rewards_B: torch.Tensor, groups_B: torch.Tensor, scale_by_s
     for group in groups_B.unique():
         members = groups_B == group
         r = rewards_B[members]
-        if bool((r == r[0]).all()):
+        if bool((r == r[0]).all()):  # a group of one included
             continue
-        std = r.std(unbiased=False) if r.numel() > 1 else torch.tensor(0.0)
+        std = r.std(unbiased=False)
         advantages_B[members] = (r - r.mean()) / (std + 1e-4) if scale_by_std else r - r.mean()
     return advantages_B
 

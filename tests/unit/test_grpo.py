@@ -26,6 +26,7 @@ def test_a_group_of_equal_rewards_gets_exactly_zero_advantages():
         adv = group_advantages(rewards, groups, scale_by_std)
         assert torch.equal(adv[:8], torch.zeros(8))
         assert (adv[8:] != 0).all()
+    assert torch.equal(group_advantages(torch.tensor([0.7]), torch.tensor([0])), torch.zeros(1))  # a group of one
 
 
 def test_token_logprobs_score_the_next_token():
