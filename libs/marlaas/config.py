@@ -30,6 +30,9 @@ class RolloutConfig(Section):
     # rank-8 job's generation ~30 % slower (benchmarks/engine_lora.py). Raise it for larger ranks.
     max_lora_rank: int = 8
     max_model_len: int = 512
+    # sequences in one engine step (0 = vLLM's default, 128): enough for every concurrent job's
+    # episodes, since on a small model a step's fixed cost is most of it (benchmarks/engine_lora.py)
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=0)] = 1024
     dtype: str = "float32"
     concurrency: int = 16  # jobs sampled at once by one replica
     # batch every job's requests in the engine together (multi-LoRA); false = one job's requests at

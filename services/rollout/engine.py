@@ -103,6 +103,7 @@ class PolicyEngine:
             enable_chunked_prefill=False, max_num_batched_tokens=max(rc.max_model_len, 4096),
             worker_extension_cls="marlaas.vllm_plugin.probe.EngineProbe",  # lora_kernels() asks it
             **({"block_size": rc.block_size} if rc.block_size else {}),
+            **({"max_num_seqs": rc.max_num_seqs} if rc.max_num_seqs else {}),
         )
         with cpu_engine_process(config, args):
             self.engine = AsyncLLM.from_engine_args(args)

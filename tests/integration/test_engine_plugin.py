@@ -18,8 +18,9 @@ from services.rollout.engine import PolicyEngine
 PROMPTS = [[5 + i, 6 + i, 7 + i, 8 + i] for i in range(6)]
 
 
-def engine_config(tmp_path, kernels: str):
-    return load_config(overrides={"home": str(tmp_path / kernels), "rollout.cpu_lora_kernels": kernels}, env={})
+def engine_config(tmp_path, kernels: str, **rollout):
+    return load_config(overrides={"home": str(tmp_path / kernels), "rollout.cpu_lora_kernels": kernels,
+                                  **{f"rollout.{key}": value for key, value in rollout.items()}}, env={})
 
 
 async def adapters(engine: PolicyEngine, config, tmp_path, count: int) -> list:
@@ -43,9 +44,10 @@ async def sample(engine: PolicyEngine, lora, seed: int = 0) -> list:
 
 @pytest.mark.timeout(600)
 async def test_the_engine_core_runs_the_kernels_configured(tmp_path):
-    engine = PolicyEngine(engine_config(tmp_path, "vllm"))  # first: a fused engine core must not leak into it
+    engine = PolicyEngine(engine_config(tmp_path, "vllm", max_num_seqs=0))  # first: no fused core leaks into it
     try:
         assert await engine.lora_kernels() == "vllm"
+        assert engine.engine.vllm_config.scheduler_config.max_num_seqs == 128  # 0: vLLM's own default
         with pytest.raises(RuntimeError, match="did not load marlaas's plugin"):
             await engine.check_lora_kernels("fused")
     finally:
@@ -55,6 +57,8 @@ async def test_the_engine_core_runs_the_kernels_configured(tmp_path):
     engine = PolicyEngine(config)
     try:
         assert await engine.check_lora_kernels("fused") == "fused"
+        # every concurrent job's episodes fit in one engine step
+        assert engine.engine.vllm_config.scheduler_config.max_num_seqs == config.rollout.max_num_seqs == 1024
         loras = await adapters(engine, config, tmp_path, 3)
         alone = [await sample(engine, lora) for lora in loras]
         together = await asyncio.gather(*(sample(engine, lora) for lora in loras))
