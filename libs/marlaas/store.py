@@ -113,10 +113,11 @@ class ObjectStore(abc.ABC):
     def put_file(self, key: str, path: str | os.PathLike) -> Blob:
         return self.put_bytes(key, Path(path).read_bytes())
 
-    def get_file(self, key: str, path: str | os.PathLike, sha256: str | None = None) -> Path:
-        """Copy ``key`` to ``path`` (atomically) and return the path."""
+    def get_file(self, key: str, path: str | os.PathLike, sha256: str | None = None, *, durable: bool = True) -> Path:
+        """Copy ``key`` to ``path`` (atomically) and return the path. ``durable=False``: no fsync,
+        for a scratch copy that no later process reads (a crash loses nothing the store lacks)."""
         path = Path(path)
-        _atomic_write(path, self.get_bytes(key, sha256))
+        _atomic_write(path, self.get_bytes(key, sha256), durable=durable)
         return path
 
 
@@ -127,14 +128,15 @@ def _checked_prefix(prefix: str) -> str:
     return prefix
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _atomic_write(path: Path, data: bytes, durable: bool = True) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

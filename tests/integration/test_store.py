@@ -55,6 +55,25 @@ def test_adapter_sized_file_round_trips_with_matching_sha256(store, tmp_path):
     assert store.fetch(blob) == payload
 
 
+def test_a_working_copy_is_whole_and_verified_but_not_fsynced(store, tmp_path, monkeypatch):
+    """``materialize``'s copies (rollout's per-process adapter cache) skip the fsync; the store's
+    own writes and a durable ``get_file`` keep it."""
+    from marlaas.adapters import materialize, write_adapter
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    blob = write_adapter(store, "acme.j1", 3, b'{"r": 8}', os.urandom(4096))
+    written = len(synced)
+    copy = materialize(store, blob, tmp_path / "cache" / "v3")
+    assert len(synced) == written  # no fsync for the working copy
+    assert hashlib.sha256((copy / "adapter_model.safetensors").read_bytes()).hexdigest() == blob.sha256
+    assert (copy / "adapter_config.json").read_bytes() == b'{"r": 8}'
+    store.get_file(store.key_of(blob.uri), tmp_path / "durable", blob.sha256)
+    assert len(synced) == written + 1
+    assert not [p for p in copy.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_s3_adapter_is_written_in_one_put(s3_server):
     store = S3Store("marlaas", prefix="one-put", endpoint=s3_server)
     store.put_bytes(ADAPTER_KEY, os.urandom(10 * 1024 * 1024))

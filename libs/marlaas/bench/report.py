@@ -136,7 +136,7 @@ def markdown_report(result: dict, targets: dict[str, float]) -> str:
     cpu = [r for r in runs if r.get("cpu_s") and r.get("steps")]
     if cpu:
         services = sorted({s for r in cpu for s in r["cpu_s"]})
-        parts += ["CPU seconds per version (each service's process tree; rollout's includes its engine):", "",
+        parts += ["CPU seconds per version (each service's process tree, a vLLM engine core apart):", "",
                   "| mode | jobs | " + " | ".join(services) + " | all |", "|---|---|" + "---|" * (len(services) + 1)]
         parts += [f"| {r['mode']} | {r['jobs']} | " + " | ".join(f"{r['cpu_s'].get(s, 0) / r['steps']:.2f}"
                                                           for s in services)

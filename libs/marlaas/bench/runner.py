@@ -42,7 +42,9 @@ class ResourceSampler:
 
     CPU time is counted per process from its first sample to its last (user + system), so
     ``cpu_s`` is what each service burnt during the run, not since it started: on a machine
-    with fewer cores than busy processes it shows which service takes the cores.
+    with fewer cores than busy processes it shows which service takes the cores. A vLLM
+    engine core (a child named ``VLLM::...``) is counted apart, as ``"<service> engine"``:
+    it runs the model on threads of its own, so whether it saturates them is the question.
     """
 
     def __init__(self, stack: Stack, every_s: float = 1.0) -> None:
@@ -73,8 +75,9 @@ class ResourceSampler:
                     with p.oneshot():
                         rss += p.memory_info().rss
                         times = p.cpu_times()
-                    self._cpu_first.setdefault((name, p.pid), times.user + times.system)
-                    self._cpu_last[(name, p.pid)] = times.user + times.system
+                        part = f"{name} engine" if p is not root and p.name().startswith("VLLM::") else name
+                    self._cpu_first.setdefault((part, p.pid), times.user + times.system)
+                    self._cpu_last[(part, p.pid)] = times.user + times.system
             except psutil.Error:
                 continue
             self.peak_mib[name] = max(self.peak_mib.get(name, 0.0), rss / 2**20)
