@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import psutil
 import pytest
 
 from marlaas.bench.chaos import _gap
 from marlaas.bench.metrics import covered, overheads_ms, percentile, run_metrics
 from marlaas.bench.plots import write_plots
 from marlaas.bench.report import check_targets, markdown_report, ratios
-from marlaas.bench.runner import cpu_load
+from marlaas.bench.runner import ResourceSampler, cpu_load
 from marlaas.bench.workload import WORKLOAD_DIR, WorkloadError, load_workload
 from marlaas.events import Span
 from marlaas.telemetry import UTILIZATION_JOB
@@ -143,26 +151,16 @@ def test_cpu_load_and_the_every_core_busy_bound_in_the_report():
 def test_a_vllm_engine_core_s_cpu_is_counted_apart_from_its_service():
     """A real process tree: a service whose child renames itself as vLLM's engine core does
     (``VLLM::EngineCore``), each burning a second of CPU; the child's go to ``"<service> engine"``."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    from types import SimpleNamespace
-
-    import psutil
-
-    from marlaas.bench.runner import ResourceSampler
-
     burn = "import time\nend = time.process_time() + 1.0\nwhile time.process_time() < end: pass\ntime.sleep(60)\n"
     child = "import ctypes\nctypes.CDLL(None).prctl(15, b'VLLM::EngineCore', 0, 0, 0)\n" + burn  # PR_SET_NAME
     service = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {child!r}])\n" + burn
     proc = subprocess.Popen([sys.executable, "-c", service], start_new_session=True)
     try:
+        service_proc = psutil.Process(proc.pid)
         with ResourceSampler(SimpleNamespace(procs={"rollout": proc}), every_s=0.1) as sampler:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:  # until both have burnt their second
-                tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children()]
+                tree = [service_proc, *service_proc.children()]
                 if len(tree) == 2 and all(sum(p.cpu_times()[:2]) >= 1.0 for p in tree):
                     break
                 time.sleep(0.1)
