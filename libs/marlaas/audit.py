@@ -8,6 +8,11 @@ stepped (``adapter_version``), and the engine-vs-trainer ``logprob_gap`` (mean
 |log p_trainer - log p_engine| over the batch's trained tokens). The gap is the one
 signal that sees weights rather than labels: an engine serving stale or another job's
 weights under the right name (vllm#47724, #42125) shows up there and nowhere else.
+
+A batch is trained again when the trainer died (or failed) after the step and before its
+commit: that attempt's update was never committed, so it is not a second training. Each
+``train`` span carries its delivery ``attempt``, and so does the ``commit`` span of the
+version it produced; only a training whose commit landed counts towards "trained once".
 """
 
 from __future__ import annotations
@@ -21,10 +26,15 @@ MAX_LOGPROB_GAP = 2e-4
 
 
 def audit_training(spans: list[Span], max_logprob_gap: float = MAX_LOGPROB_GAP) -> list[str]:
-    """Every violation of strict on-policy training found in the ``train`` spans, as readable lines."""
+    """Every violation of strict on-policy training found in the ``train`` spans, as readable lines:
+    a version whose committed update was trained more than once, any attempt (committed or not)
+    trained from another version than its batch's, and any engine-vs-trainer gap too large."""
     problems = []
     train = [s for s in spans if s.phase == "train"]
-    for (job, version), count in Counter((s.job, s.version) for s in train).items():
+    committed = {(s.job, s.version - 1, s.attrs.get("batch_id"), s.attrs.get("attempt"))
+                 for s in spans if s.phase == "commit"}
+    took_effect = [s for s in train if (s.job, s.version, s.attrs.get("batch_id"), s.attrs.get("attempt")) in committed]
+    for (job, version), count in Counter((s.job, s.version) for s in took_effect).items():
         if count > 1:
             problems.append(f"{job} v{version}: trained {count} times")
     for s in train:

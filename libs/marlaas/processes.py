@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 PR_SET_PDEATHSIG = 1
+OVERDUE_EXIT_CODE = 3  # a service that did not finish stopping in its grace period
 
 
 def die_with_parent() -> None:
@@ -64,3 +67,24 @@ def end_own_group() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(os.getpgrp(), signal.SIGTERM)
+
+
+def exit_if_still_running_after(grace_s: float) -> threading.Thread:
+    """Told to stop: give this process ``grace_s`` to finish draining, then print every thread's
+    stack (why it hangs) and exit anyway: SIGKILL its process group, itself included, when it
+    leads one (a signal handler cannot be changed off the main thread). A drain that never
+    ends (a broker gone mid-flush, say) must not leave a service behind when no one is left to
+    SIGKILL it: the launcher that would have is the parent whose death told it to stop."""
+
+    def overdue() -> None:
+        time.sleep(grace_s)
+        print(f"still stopping after {grace_s:g} s; exiting anyway. Every thread's stack:",
+              file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        if os.getpgrp() == os.getpid():  # started by the launcher: the group is ours (see end_own_group)
+            os.killpg(os.getpgrp(), signal.SIGKILL)  # this process and whatever it started
+        os._exit(OVERDUE_EXIT_CODE)
+
+    watchdog = threading.Thread(target=overdue, name="stop-deadline", daemon=True)
+    watchdog.start()
+    return watchdog

@@ -1,5 +1,6 @@
 """What every service process shares: config from ``--config``, logging, the bus, the store,
-and shutdown as a protocol (SIGINT/SIGTERM set ``stop``; the service drains and returns)."""
+and shutdown as a protocol (SIGINT/SIGTERM set ``stop``; the service drains and returns, or
+exits anyway once :data:`SHUTDOWN_GRACE_S` has passed)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from pathlib import Path
 from marlaas.bus import Bus
 from marlaas.config import Config, load_config, read_config_json
 from marlaas.logs import setup_logging
-from marlaas.processes import end_own_group
+from marlaas.processes import end_own_group, exit_if_still_running_after
 from marlaas.store import ObjectStore, open_store
+
+SHUTDOWN_GRACE_S = 30.0  # a service's drain after SIGTERM, as long as the launcher waits for it
 
 
 @dataclass
@@ -59,8 +62,14 @@ def run_service(name: str, argv: list[str] | None = None) -> None:
     async def amain() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            if not stop.is_set():
+                stop.set()
+                exit_if_still_running_after(SHUTDOWN_GRACE_S)
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         bus = await Bus.connect(config.nats_url, name=name)
         await bus.ensure_topology(duplicate_window_s=config.duplicate_window_s, replicas=config.nats_replicas)
         runtime = Runtime(name, config, bus, open_store(config.resolved_store_url), stop)

@@ -91,7 +91,8 @@ class Trainer:
         spec = record.spec
         # the audit's record of what was trained from, taken from where each fact lives (the
         # event, the batch as rollout wrote it, the adapter in memory), not from the check above
-        async with span(self.bus, SERVICE, "train", job, version, batch_id=event.batch_id,
+        attempt = delivery.num_delivered  # a crash before the commit trains the batch again
+        async with span(self.bus, SERVICE, "train", job, version, batch_id=event.batch_id, attempt=attempt,
                         batch_version=event.version, sampled_version=batch.policy_version,
                         committed_version=committed.version) as attrs:
             async with delivery.keep_alive():
@@ -114,7 +115,7 @@ class Trainer:
             self.policy.evict(job)
             log.info("job finished during training; update discarded", job=job, version=version)
             return await delivery.term()
-        async with span(self.bus, SERVICE, "commit", job, version + 1):
+        async with span(self.bus, SERVICE, "commit", job, version + 1, batch_id=event.batch_id, attempt=attempt):
             try:
                 new = await asyncio.to_thread(self._write, committed, result, event.batch_id)
                 maybe_crash(self.fault_crash_p, "written, not committed")

@@ -78,3 +78,24 @@ def test_a_killed_launcher_takes_its_children_with_it(tmp_path):
     proc.kill()  # no chance to clean up: the children must notice on their own
     proc.wait()
     assert gone(children, 90), "processes of the stack outlived a killed `marlaas up`"
+
+
+HANGING_SERVICE = """
+import subprocess, sys, threading
+from marlaas.processes import exit_if_still_running_after
+child = subprocess.Popen(["sleep", "300"])  # in this process's group, like a vLLM engine core
+print(child.pid, flush=True)
+exit_if_still_running_after(1.0)  # what a service arms when told to stop
+threading.Event().wait()  # a drain that never ends
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_service_whose_drain_hangs_exits_after_its_grace_period_with_its_group():
+    proc = subprocess.Popen([sys.executable, "-c", HANGING_SERVICE], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    child = int(proc.stdout.readline())
+    assert proc.wait(timeout=30) == -signal.SIGKILL  # it leads its group: the group went, itself too
+    assert "still stopping after 1 s; exiting anyway" in (stderr := proc.stderr.read())
+    assert "threading.py" in stderr and "in wait" in stderr  # the stack of the hung thread, to see why
+    assert gone([child], 10), "the hung service's child outlived it"
