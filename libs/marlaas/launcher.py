@@ -38,7 +38,7 @@ from marlaas import natsauth
 from marlaas.natsauth import write_private
 from marlaas.config import Config, dump_config
 from marlaas.embedded_nats import EmbeddedNats, EmbeddedNatsCluster
-from marlaas.processes import kill_group, spawn
+from marlaas.processes import SHUTDOWN_GRACE_S, kill_group, spawn
 
 log = structlog.get_logger("marlaas.launcher")
 SERVICES = ("manager", "gateway", "env", "trainer", "rollout")
@@ -245,7 +245,7 @@ class Stack:
                 restarted.append(name)
         return restarted
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self, timeout_s: float = SHUTDOWN_GRACE_S) -> None:
         """SIGTERM the services in reverse start order (each drains), then stop the broker."""
         for name in reversed(list(self.procs)):
             proc = self.procs[name]

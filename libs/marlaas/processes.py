@@ -20,6 +20,7 @@ import threading
 import time
 
 PR_SET_PDEATHSIG = 1
+SHUTDOWN_GRACE_S = 30.0  # a service's drain after SIGTERM: it exits anyway then, the launcher stops waiting
 OVERDUE_EXIT_CODE = 3  # a service that did not finish stopping in its grace period
 
 

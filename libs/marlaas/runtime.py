@@ -17,10 +17,8 @@ from pathlib import Path
 from marlaas.bus import Bus
 from marlaas.config import Config, load_config, read_config_json
 from marlaas.logs import setup_logging
-from marlaas.processes import end_own_group, exit_if_still_running_after
+from marlaas.processes import SHUTDOWN_GRACE_S, end_own_group, exit_if_still_running_after
 from marlaas.store import ObjectStore, open_store
-
-SHUTDOWN_GRACE_S = 30.0  # a service's drain after SIGTERM, as long as the launcher waits for it
 
 
 @dataclass
