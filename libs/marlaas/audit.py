@@ -11,8 +11,9 @@ weights under the right name (vllm#47724, #42125) shows up there and nowhere els
 
 A batch is trained again when the trainer died (or failed) after the step and before its
 commit: that attempt's update was never committed, so it is not a second training. Each
-``train`` span carries its delivery ``attempt``, and so does the ``commit`` span of the
-version it produced; only a training whose commit landed counts towards "trained once".
+``train`` span carries the name of its ``attempt`` (drawn at random: a delivery count repeats
+after a broker restart), and so does the ``commit`` span of the version it produced; only a
+training whose commit landed counts towards "trained once".
 """
 
 from __future__ import annotations

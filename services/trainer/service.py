@@ -15,6 +15,7 @@ import os
 import random
 import signal
 import time
+import uuid
 
 import structlog
 
@@ -91,7 +92,9 @@ class Trainer:
         spec = record.spec
         # the audit's record of what was trained from, taken from where each fact lives (the
         # event, the batch as rollout wrote it, the adapter in memory), not from the check above
-        attempt = delivery.num_delivered  # a crash before the commit trains the batch again
+        # this attempt's own name: a crash before the commit trains the batch again, and a broker
+        # restart can deliver it again under the same delivery count
+        attempt = uuid.uuid4().hex
         async with span(self.bus, SERVICE, "train", job, version, batch_id=event.batch_id, attempt=attempt,
                         batch_version=event.version, sampled_version=batch.policy_version,
                         committed_version=committed.version) as attrs:
