@@ -111,9 +111,9 @@ def run_chaos(jobs: int = 4, steps: int = 12, min_kills: int = 20, nats_restarts
               on_event: Callable[[str], None] = print, home: Path | None = None) -> dict:
     """Run the chaos; return the counts and every problem found (an empty ``problems`` passes).
 
-    A kill waits until the jobs have committed two more versions since the last one (fewer
-    when the run nears its end short of ``min_kills``), so kills land all along the run rather
-    than on services still starting.
+    A kill waits until the jobs have committed two more versions since the last one (fewer,
+    and sooner, when the run nears its end short of ``min_kills``), so kills land all along the
+    run rather than on services still starting.
     """
     rng = random.Random(seed)
     home = home or Path(tempfile.mkdtemp(prefix="marlaas-chaos-"))
@@ -159,7 +159,8 @@ def run_chaos(jobs: int = 4, steps: int = 12, min_kills: int = 20, nats_restarts
                     kills[victim] += 1
                     last_kill_at = progress
                     on_event(f"killed {victim} at {progress} versions")
-                    next_kill = time.monotonic() + rng.uniform(0.5, 3.0)
+                    behind = _gap(jobs * steps - progress, min_kills - done - 1) < 2  # short of versions
+                    next_kill = time.monotonic() + (rng.uniform(0.2, 1.0) if behind else rng.uniform(0.5, 3.0))
                 time.sleep(0.3)
             time.sleep(3.0)  # the last garbage collection pass
             spans, announced = asyncio.run(_evidence(stack.nats_url, ids))
