@@ -11,9 +11,9 @@ weights under the right name (vllm#47724, #42125) shows up there and nowhere els
 
 A batch is trained again when the trainer died (or failed) after the step and before its
 commit: that attempt's update was never committed, so it is not a second training. Each
-``train`` span carries the name of its ``attempt`` (drawn at random: a delivery count repeats
-after a broker restart), and so does the ``commit`` span of the version it produced; only a
-training whose commit landed counts towards "trained once".
+``train`` span carries the name of its ``attempt`` (unique, drawn at random: a delivery count
+repeats after a broker restart), and so does the ``commit`` span of the version it produced;
+only a training whose commit landed counts towards "trained once".
 """
 
 from __future__ import annotations
@@ -26,19 +26,14 @@ from marlaas.events import Span
 MAX_LOGPROB_GAP = 2e-4
 
 
-def _attempt(s: Span, trained_version: int) -> tuple:
-    """Which training attempt a ``train`` span, or the ``commit`` span it led to, belongs to."""
-    return s.job, trained_version, s.attrs.get("batch_id"), s.attrs.get("attempt")
-
-
 def audit_training(spans: list[Span], max_logprob_gap: float = MAX_LOGPROB_GAP) -> list[str]:
     """Every violation of strict on-policy training found in the ``train`` spans, as readable lines:
     a version whose committed update was trained more than once, any attempt (committed or not)
     trained from another version than its batch's, and any engine-vs-trainer gap too large."""
     problems = []
     train = [s for s in spans if s.phase == "train"]
-    committed = {_attempt(s, trained_version=s.version - 1) for s in spans if s.phase == "commit"}
-    took_effect = [s for s in train if _attempt(s, trained_version=s.version) in committed]
+    committed = {s.attrs["attempt"] for s in spans if s.phase == "commit" and "attempt" in s.attrs}
+    took_effect = [s for s in train if s.attrs.get("attempt") in committed]
     for (job, version), count in Counter((s.job, s.version) for s in took_effect).items():
         if count > 1:
             problems.append(f"{job} v{version}: trained {count} times")

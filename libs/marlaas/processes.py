@@ -70,7 +70,7 @@ def end_own_group() -> None:
         os.killpg(os.getpgrp(), signal.SIGTERM)
 
 
-def exit_if_still_running_after(grace_s: float) -> threading.Thread:
+def exit_if_still_running_after(grace_s: float) -> None:
     """Told to stop: give this process ``grace_s`` to finish draining, then print every thread's
     stack (why it hangs) and exit anyway: SIGKILL its process group, itself included, when it
     leads one (a signal handler cannot be changed off the main thread). A drain that never
@@ -86,6 +86,4 @@ def exit_if_still_running_after(grace_s: float) -> threading.Thread:
             os.killpg(os.getpgrp(), signal.SIGKILL)  # this process and whatever it started
         os._exit(OVERDUE_EXIT_CODE)
 
-    watchdog = threading.Thread(target=overdue, name="stop-deadline", daemon=True)
-    watchdog.start()
-    return watchdog
+    threading.Thread(target=overdue, name="stop-deadline", daemon=True).start()

@@ -118,7 +118,7 @@ class Trainer:
             self.policy.evict(job)
             log.info("job finished during training; update discarded", job=job, version=version)
             return await delivery.term()
-        async with span(self.bus, SERVICE, "commit", job, version + 1, batch_id=event.batch_id, attempt=attempt):
+        async with span(self.bus, SERVICE, "commit", job, version + 1, attempt=attempt):
             try:
                 new = await asyncio.to_thread(self._write, committed, result, event.batch_id)
                 maybe_crash(self.fault_crash_p, "written, not committed")

@@ -81,7 +81,7 @@ def test_a_killed_launcher_takes_its_children_with_it(tmp_path):
 
 
 HANGING_SERVICE = """
-import subprocess, sys, threading
+import subprocess, threading
 from marlaas.processes import exit_if_still_running_after
 child = subprocess.Popen(["sleep", "300"])  # in this process's group, like a vLLM engine core
 print(child.pid, flush=True)

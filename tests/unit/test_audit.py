@@ -7,26 +7,25 @@ from marlaas.audit import audit_training
 from marlaas.events import Span
 
 
-def train(version: int, attempt: str, pid: int = 1, batch_id: str = "b") -> Span:
-    attrs = {"batch_id": batch_id, "attempt": attempt, "pid": pid, "batch_version": version,
+def train(version: int, attempt: str) -> Span:
+    attrs = {"batch_id": "b", "attempt": attempt, "batch_version": version,
              "sampled_version": version, "adapter_version": version, "logprob_gap": 1e-6}
     return Span(job="j", service="trainer", phase="train", version=version, start=0.0, end=1.0, attrs=attrs)
 
 
-def commit(version: int, attempt: str, pid: int = 1, batch_id: str = "b") -> Span:
-    attrs = {"batch_id": batch_id, "attempt": attempt, "pid": pid}
-    return Span(job="j", service="trainer", phase="commit", version=version + 1, start=1.0, end=2.0, attrs=attrs)
+def commit(version: int, attempt: str) -> Span:
+    return Span(job="j", service="trainer", phase="commit", version=version + 1, start=1.0, end=2.0,
+                attrs={"attempt": attempt})
 
 
 def test_a_batch_retrained_after_a_crash_before_its_commit_is_trained_once():
     # attempt 1 died (killed trainer) between its train span and its commit; attempt 2 committed
-    spans = [train(3, attempt="a1", pid=10), train(3, attempt="a2", pid=11), commit(3, attempt="a2", pid=11)]
+    spans = [train(3, attempt="a1"), train(3, attempt="a2"), commit(3, attempt="a2")]
     assert audit_training(spans) == []
 
 
 def test_two_committed_trainings_of_one_version_are_reported():
-    spans = [train(3, attempt="a1", batch_id="b1"), commit(3, attempt="a1", batch_id="b1"),
-             train(3, attempt="a1", batch_id="b2"), commit(3, attempt="a1", batch_id="b2")]
+    spans = [train(3, attempt="a1"), commit(3, attempt="a1"), train(3, attempt="a2"), commit(3, attempt="a2")]
     assert audit_training(spans) == ["j v3: trained 2 times"]
 
 
