@@ -12,7 +12,10 @@ never overlap, the cost the ``async`` schedule removes.
 
 A job that leaves the registry's running set (finished, cancelled, failed) stops
 counting at the next check; a member whose sampling fails leaves its round, so the
-others publish without it.
+others publish without it. A job submitted moments ago and still queued counts too
+(:func:`round_members`): jobs submitted together are admitted one by one, and without
+it the first one admitted would sample a round alone while the others catch up, one
+extra round for the whole run.
 """
 
 from __future__ import annotations
@@ -23,7 +26,20 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
+from marlaas.events import JobRecord, JobState
+
 log = structlog.get_logger("rollout.rounds")
+
+ADMITTING_S = 10.0  # a job queued this recently is most likely being admitted: a round waits for it
+
+
+def round_members(records: list[JobRecord], now: float, admitting_s: float = ADMITTING_S) -> set[str]:
+    """The jobs a round waits for: the running ones, and the queued ones submitted in the last
+    ``admitting_s`` seconds. A job queued longer (waiting for KV budget) is not waited for, so
+    a round waits for a fresh submission at most that long."""
+    return {r.spec.id for r in records
+            if r.state is JobState.RUNNING
+            or (r.state is JobState.QUEUED and now - r.spec.submitted_at < admitting_s)}
 
 
 class Round:
@@ -52,7 +68,7 @@ class SyncRounds:
 
     def __init__(self, running_jobs: Callable[[], Awaitable[set[str]]], limit: int,
                  recheck_s: float = 0.5) -> None:
-        self.running_jobs = running_jobs  # the registry's running job ids
+        self.running_jobs = running_jobs  # the ids of the jobs a round waits for (round_members)
         self.limit = limit  # at most this many announcements can be held at once
         self.recheck_s = recheck_s
         self.rounds = 0

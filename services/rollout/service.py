@@ -35,7 +35,7 @@ from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, r
 from services.rollout.announcements import Reaction, plan_announcement
 from services.rollout.engine import PolicyEngine
 from services.rollout.episode import Episode, episode_metrics
-from services.rollout.rounds import SyncRounds
+from services.rollout.rounds import SyncRounds, round_members
 
 log = structlog.get_logger("rollout")
 SERVICE = "rollout"
@@ -116,13 +116,13 @@ class Rollout:
         self.engine_gate = None if rt.config.rollout.multi_lora else asyncio.Lock()
 
     async def running_jobs(self) -> set[str]:
-        """Ids of the registry's running jobs (the members a ``sync`` round waits for)."""
-        running = set()
+        """Ids of the jobs a ``sync`` round waits for: the running ones and those being admitted."""
+        records = []
         for key in await self.bus.kv_keys(JOBS_BUCKET):
             entry = await self.bus.kv_get(JOBS_BUCKET, key)
-            if entry is not None and JOB_RECORD.decode(entry.value).state is JobState.RUNNING:
-                running.add(key)
-        return running
+            if entry is not None:
+                records.append(JOB_RECORD.decode(entry.value))
+        return round_members(records, time.time())
 
     def engine_turn(self):
         """Held while a job's requests are in the engine; exclusive without multi-LoRA batching."""

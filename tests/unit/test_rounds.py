@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.rollout.rounds import SyncRounds
+from marlaas.events import JobRecord, JobSpec, JobState
+from services.rollout.rounds import SyncRounds, round_members
 
 
 def test_a_round_waits_for_every_running_job_then_publishes_together():
@@ -73,6 +74,18 @@ def test_the_limit_releases_a_round_when_more_jobs_run_than_can_be_held():
         return await asyncio.wait_for(asyncio.gather(job("a"), job("b")), 5)
 
     assert asyncio.run(go()) == [1, 1]
+
+
+def test_a_round_waits_for_jobs_being_admitted_but_not_for_a_job_queued_long_ago():
+    def record(job: str, state: JobState, submitted_at: float) -> JobRecord:
+        spec = JobSpec(id=f"t.{job}", tenant="t", name=job, task="addition", steps=2, submitted_at=submitted_at)
+        return JobRecord(spec=spec, state=state)
+
+    now = 1000.0
+    records = [record("running", JobState.RUNNING, now - 600), record("fresh", JobState.QUEUED, now - 1),
+               record("waiting-for-budget", JobState.QUEUED, now - 60), record("done", JobState.COMPLETED, now - 5)]
+    assert round_members(records, now, admitting_s=10) == {"t.running", "t.fresh"}
+    assert round_members(records, now + 10, admitting_s=10) == {"t.running"}  # it waits 10 s at most
 
 
 async def _value(value):
