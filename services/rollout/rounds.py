@@ -66,9 +66,9 @@ class Round:
 class SyncRounds:
     """Forms rounds from the jobs whose announcements rollout is holding."""
 
-    def __init__(self, running_jobs: Callable[[], Awaitable[set[str]]], limit: int,
+    def __init__(self, members: Callable[[], Awaitable[set[str]]], limit: int,
                  recheck_s: float = 0.5) -> None:
-        self.running_jobs = running_jobs  # the ids of the jobs a round waits for (round_members)
+        self.members = members  # the ids of the jobs a round waits for (see round_members)
         self.limit = limit  # at most this many announcements can be held at once
         self.recheck_s = recheck_s
         self.rounds = 0
@@ -99,9 +99,9 @@ class SyncRounds:
             held = {job for job, f in self._held.items() if not f.done()}
             if not held:
                 return
-            running = await self.running_jobs()
-            if not (running <= held or len(held) >= self.limit):
-                return  # some running job is still sampling or training its previous version
+            members = await self.members()
+            if not (members <= held or len(held) >= self.limit):
+                return  # a member is still sampling, training its previous version or being admitted
             self.rounds += 1
             round_ = Round(self.rounds, held)
             for job in held:

@@ -111,11 +111,11 @@ class Rollout:
         self.pinned: dict[str, object] = {}  # STALE_ADAPTER_FAULT only: each job's first adapter dir
         # the paper's ablations: sync rounds with a global barrier, and no multi-LoRA batching
         # (one job's requests in the engine at a time)
-        self.rounds = (SyncRounds(self.running_jobs, rt.config.rollout.concurrency)
+        self.rounds = (SyncRounds(self.sync_round_members, rt.config.rollout.concurrency)
                        if rt.config.manager.schedule == "sync" else None)
         self.engine_gate = None if rt.config.rollout.multi_lora else asyncio.Lock()
 
-    async def running_jobs(self) -> set[str]:
+    async def sync_round_members(self) -> set[str]:
         """Ids of the jobs a ``sync`` round waits for: the running ones and those being admitted."""
         records = []
         for key in await self.bus.kv_keys(JOBS_BUCKET):
