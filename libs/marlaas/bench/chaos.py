@@ -36,6 +36,7 @@ from marlaas.telemetry import read_spans
 
 VICTIMS = {"trainer": 4, "env": 2, "manager": 2, "rollout": 1}  # relative odds of each kill
 TASKS = ("addition", "reverse", "repeat")
+GC_SETTLE_S = 30.0  # how long the last garbage collection pass may take before leftovers count as problems
 
 
 async def _submit(url: str, jobs: int, steps: int) -> list[str]:
@@ -162,7 +163,11 @@ def run_chaos(jobs: int = 4, steps: int = 12, min_kills: int = 20, nats_restarts
                     behind = _gap(jobs * steps - progress, min_kills - done - 1) < 2  # short of versions
                     next_kill = time.monotonic() + (rng.uniform(0.2, 1.0) if behind else rng.uniform(0.5, 3.0))
                 time.sleep(0.3)
-            time.sleep(3.0)  # the last garbage collection pass
+            # the last garbage collection pass runs in the background after the last commit, and
+            # takes longer on a loaded machine: give it time to finish before the store is checked
+            settle_by = time.monotonic() + GC_SETTLE_S
+            while _orphans(home / "store", ids, config.manager.gc_keep_last) and time.monotonic() < settle_by:
+                time.sleep(1.0)
             spans, announced = asyncio.run(_evidence(stack.nats_url, ids))
             states = asyncio.run(_states(stack.nats_url, ids))
         crashes = _injected_crashes(trainer_log)
