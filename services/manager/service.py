@@ -71,7 +71,7 @@ class Manager:
         self._admission = asyncio.Lock()
         self._submitting = asyncio.Lock()  # a tenant's quota is counted and its job created as one step
         self._background: set[asyncio.Task] = set()
-        self._collecting: set[str] = set()  # jobs with a garbage collection running
+        self._collecting: dict[str, asyncio.Task] = {}  # each job's running garbage collection
         self._collect_again: set[str] = set()  # ... and committed again meanwhile
         self._waiting = True  # jobs may be queued, or the last admission pass failed
         # the index of unfinished (queued or running) job ids, built by one scan of the registry
@@ -228,11 +228,12 @@ class Manager:
         """Held by each admission pass (which may commit version 0 of a queued job)."""
         return self._admission
 
-    def in_background(self, work) -> None:
+    def in_background(self, work) -> asyncio.Task:
         """Run ``work`` (a coroutine) as a task the manager keeps a reference to."""
         task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def try_admission(self) -> None:
         """Admit what fits; a failure (store or broker down) is logged and retried by :meth:`keep_admitting`."""
@@ -386,19 +387,27 @@ class Manager:
         if record is None:  # a repeat: still finish what a crash may have left unfinished
             entry = await self.bus.kv_get(JOBS_BUCKET, event.job)
             record = JOB_RECORD.decode(entry.value) if entry else None
-        if record is not None and record.version >= record.spec.steps:
+        last = record is not None and record.version >= record.spec.steps
+        if last:
             await self.transition(event.job, JobState.COMPLETED)
         # collect every few versions (each pass re-reads the job's announcements) and at the end
-        due = record is not None and (event.version % GC_EVERY == 0 or record.version >= record.spec.steps)
-        if due and event.job in self._collecting:
+        if record is None or not (last or event.version % GC_EVERY == 0):
+            return
+        if event.job in self._collecting:
             self._collect_again.add(event.job)  # one more pass once the running one ends
-        elif due:
-            self._collecting.add(event.job)
-            self.in_background(self.collect_garbage(event.job))
+            passes = self._collecting[event.job]
+        else:
+            passes = self._collecting[event.job] = self.in_background(self.collect_garbage(event.job))
+        # No later commit retries a finished job's collection: its last announcement is
+        # acknowledged only once a pass succeeded, so a manager killed during that pass (or a
+        # failed pass) gets the announcement again and collects again
+        if last and not await asyncio.shield(passes):
+            raise RuntimeError(f"the last garbage collection of {event.job} failed; retrying it")
 
-    async def collect_garbage(self, job: str) -> None:
-        """Delete the job's objects no version needs (``services.manager.gc``); a failure is only logged.
-        Passes of one job never overlap; a commit during a pass earns one more pass after it."""
+    async def collect_garbage(self, job: str) -> bool:
+        """Delete the job's objects no version needs (``services.manager.gc``); return whether the
+        last pass succeeded (a failure is logged; the next commit retries it). Passes of one job
+        never overlap; a commit during a pass earns one more pass after it."""
         try:
             while True:
                 self._collect_again.discard(job)
@@ -406,12 +415,14 @@ class Manager:
                     deleted = await collect_job(self.bus, self.store, job, self.config.manager.gc_keep_last)
                     if deleted:
                         log.info("garbage collected", job=job, objects=deleted)
+                    ok = True
                 except Exception:
                     log.exception("garbage collection failed; the next commit retries it", job=job)
+                    ok = False
                 if job not in self._collect_again:
-                    return
+                    return ok
         finally:
-            self._collecting.discard(job)
+            del self._collecting[job]
 
     async def on_span(self, msg) -> None:
         """Rollout's engine utilization and the trainers' steps, for the adaptive admission policy."""

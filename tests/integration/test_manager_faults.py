@@ -209,3 +209,40 @@ async def test_the_final_announcement_twice_or_after_a_restart_completes_the_job
 async def _completed(bus: Bus, job: str) -> bool:
     record = await record_of(bus, job)
     return record is not None and record.state is JobState.COMPLETED
+
+
+class ListingFailsOnce(FileStore):
+    """A file store whose first listing fails (the store briefly unreachable)."""
+
+    listings = 0
+
+    def list(self, prefix: str = "") -> list[str]:
+        self.listings += 1
+        if self.listings == 1:
+            raise ConnectionError("object store unreachable")
+        return super().list(prefix)
+
+
+async def test_a_finished_jobs_failed_last_garbage_collection_is_retried_before_the_announcement_is_acked(
+        bus, tmp_path):
+    # no later commit would retry a finished job's collection: its last announcement must be
+    # redelivered until a pass succeeds (a manager killed during that pass is the same case)
+    store = ListingFailsOnce(tmp_path / "store")
+    last = await committed_job(bus, store, "gc", steps=2, record_version=1)
+    loser = await asyncio.to_thread(write_adapter, store, last.job, 2, b"{}", b"a losing attempt")
+
+    manager, stop = await manager_on(bus, store, tmp_path), asyncio.Event()
+    consuming = await consume_policy(bus, manager, stop)
+    await bus.publish(policy_subject(last.job), encode(last))
+    await eventually(lambda: _completed(bus, last.job), what="completed")
+
+    async def acknowledged() -> bool:
+        info = await bus.js.consumer_info("POLICY", "manager")
+        return info.num_pending == 0 and info.num_ack_pending == 0
+
+    await eventually(acknowledged, what="the last announcement acknowledged")
+    await stop_manager(manager, stop, consuming)
+    assert store.listings > 1  # the failed pass was followed by one that ran
+    keys = await asyncio.to_thread(store.list, f"adapters/{last.job}/")
+    assert store.key_of(loser.uri) not in keys  # the losing attempt was collected
+    assert store.key_of(last.adapter.uri) in keys

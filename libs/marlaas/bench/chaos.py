@@ -36,7 +36,9 @@ from marlaas.telemetry import read_spans
 
 VICTIMS = {"trainer": 4, "env": 2, "manager": 2, "rollout": 1}  # relative odds of each kill
 TASKS = ("addition", "reverse", "repeat")
-GC_SETTLE_S = 30.0  # how long the last garbage collection pass may take before leftovers count as problems
+# how long the last garbage collection pass may take before leftovers count as problems: a
+# manager killed during it gets the last announcement again after the broker's 30 s ack wait
+GC_SETTLE_S = 60.0
 
 
 async def _submit(url: str, jobs: int, steps: int) -> list[str]:
