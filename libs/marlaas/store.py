@@ -63,6 +63,12 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def list(self, prefix: str = "") -> list[str]: ...
 
+    def interrupted_writes(self, prefix: str = "") -> list[str]:
+        """Keys of writes a killed writer left unfinished under ``prefix``, which :meth:`list`
+        never shows; garbage collection deletes them with their attempt. None here: an S3 PUT
+        is atomic."""
+        return []
+
     @abc.abstractmethod
     def delete(self, key: str) -> None: ...
 
@@ -173,12 +179,20 @@ class FileStore(ObjectStore):
     def list(self, prefix: str = "") -> list[str]:
         """Keys starting with ``prefix``, from a walk of the prefix's folder only. A folder
         deleted during the walk (another job's garbage collection) is skipped, not an error."""
+        return self._walk(prefix, temporary=False)
+
+    def interrupted_writes(self, prefix: str = "") -> list[str]:
+        """The temp files (``.*.tmp``) under ``prefix``: a writer killed between creating one and
+        renaming it into place leaves it behind."""
+        return self._walk(prefix, temporary=True)
+
+    def _walk(self, prefix: str, temporary: bool) -> list[str]:
         folder = prefix.rpartition("/")[0]
         keys = []
         for parent, _, names in os.walk(self.path(folder) if folder else self.root):  # errors skip the folder
             for name in names:
                 key = Path(parent, name).relative_to(self.root).as_posix()
-                if key.startswith(prefix) and not name.endswith(".tmp"):
+                if key.startswith(prefix) and name.endswith(".tmp") == temporary:
                     keys.append(key)
         return sorted(keys)
 

@@ -11,7 +11,9 @@ history nobody needs or an orphan of a crashed or losing attempt. The plan delet
   when no announcement names a version's committed attempt, all its attempts are kept;
 - optimizer states of every version ``<= latest`` except the latest committed one's
   (the ``versions`` entry's optimizer Blob: a resumed trainer needs it);
-- trajectory batches of versions ``< latest``: trained, or off-policy and terminated.
+- trajectory batches of versions ``< latest``: trained, or off-policy and terminated;
+- with each of those, the unfinished files a killed writer left in its attempt (a file store's
+  temp files: ``ObjectStore.interrupted_writes``).
 
 Nothing of a version ``> latest`` is ever deleted (an attempt at it may be in flight),
 nor any key the plan does not recognise. A finished job follows the same rule: its
@@ -115,8 +117,9 @@ async def collect_job(bus: Bus, store: ObjectStore, job: str, keep_last: int) ->
     committed[latest.version] = attempt_of(store.key_of(latest.adapter.uri))  # the authority
     optimizer_key = store.key_of(latest.optimizer.uri) if latest.optimizer else None
     keys = []
-    for kind in OBJECT_KINDS:
+    for kind in OBJECT_KINDS:  # a killed writer's unfinished files go with their attempt
         keys += await asyncio.to_thread(store.list, f"{kind}/{job}/")
+        keys += await asyncio.to_thread(store.interrupted_writes, f"{kind}/{job}/")
     doomed = plan_collection(job, keys, committed, latest.version, keep_last, set(record.pinned), optimizer_key)
     return await asyncio.to_thread(_delete, store, keys, doomed)
 

@@ -74,3 +74,28 @@ async def test_a_finished_job_keeps_its_last_versions_and_an_unknown_job_is_left
     file_store.put_bytes("adapters/acme.gone/v000000/a/adapter_model.safetensors", b"x")
     assert await collect_job(bus, file_store, "acme.gone", keep_last=1) == 0
     assert "adapters/acme.gone/v000000/a/adapter_model.safetensors" in file_store.list()
+
+
+async def test_the_unfinished_files_of_a_killed_writer_go_with_their_attempt(bus, file_store):
+    # a trainer killed between creating a temp file and renaming it into place leaves an
+    # attempt that holds only that temp file: list() never shows it, collection must delete it
+    spec = JobSpec(id=JOB, tenant="acme", name="add", task="addition", steps=4)
+    await bus.kv_put(JOBS_BUCKET, JOB, encode(JobRecord(spec=spec, state=JobState.RUNNING, version=3)))
+    killed = {}
+    for version in range(4):
+        for kind, name in (("adapters", "adapter_model.safetensors"), ("optimizer", "adamw.pt")):
+            folder = file_store.root / kind / JOB / f"v{version:06d}" / "killed"
+            folder.mkdir(parents=True)
+            (folder / f".{name}.x1y2.tmp").write_bytes(b"half written")
+            killed[(kind, version)] = folder
+        await commit(bus, version, *write_version(file_store, version, f"win{version}"))
+    assert file_store.interrupted_writes(f"adapters/{JOB}/") and not any(
+        key.endswith(".tmp") for key in file_store.list())
+
+    await collect_job(bus, file_store, JOB, keep_last=2)
+
+    # the losing attempts of every committed version go, temp files and folders included
+    assert not any(folder.exists() for folder in killed.values())
+    assert file_store.interrupted_writes() == []
+    assert set(file_store.list()) == (keys_of(2, "win2", "adapters") | keys_of(3, "win3", "adapters")
+                                      | keys_of(3, "win3", "optimizer", "trajectories"))

@@ -188,6 +188,8 @@ def test_crash_between_temp_write_and_rename_leaves_no_object(tmp_path):
     store = FileStore(root)
     assert not store.exists(ADAPTER_KEY)
     assert store.list() == []
+    # ... but garbage collection finds it (``interrupted_writes``) and deletes it with its attempt
+    assert store.interrupted_writes() == [temp.relative_to(store.root).as_posix()]
     with pytest.raises(ObjectNotFound):
         store.get_bytes(ADAPTER_KEY)
     blob = store.put_bytes(ADAPTER_KEY, b"the retried write")  # the retry after restart succeeds

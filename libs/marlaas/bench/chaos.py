@@ -69,14 +69,18 @@ async def _evidence(url: str, ids: list[str]):
 
 
 def _orphans(store_root: Path, ids: list[str], keep_last: int) -> list[str]:
-    """Objects garbage collection should have removed (file store layout: kind/job/vNNNNNN/attempt/...)."""
+    """Objects garbage collection should have removed (file store layout: kind/job/vNNNNNN/attempt/...).
+    A folder counts when it holds a file, a killed writer's temp file included."""
+    def holding_files(folder: Path) -> list[Path]:
+        return sorted(p for p in folder.glob("*") if any(f.is_file() for f in p.rglob("*")))
+
     problems = []
     for job in ids:
-        adapters = sorted(p for p in (store_root / "adapters" / job).glob("v*") if any(p.iterdir()))
+        adapters = holding_files(store_root / "adapters" / job)
         if len(adapters) > keep_last:
             problems.append(f"{job}: {len(adapters)} adapter versions kept, more than {keep_last}")
-        problems += [f"{job}: {v.name} has {n} attempts" for v in adapters if (n := len(list(v.iterdir()))) != 1]
-        optimizers = [p for p in (store_root / "optimizer" / job).glob("v*") if any(p.iterdir())]
+        problems += [f"{job}: {v.name} has {n} attempts" for v in adapters if (n := len(holding_files(v))) != 1]
+        optimizers = holding_files(store_root / "optimizer" / job)
         if len(optimizers) != 1:
             problems.append(f"{job}: {len(optimizers)} optimizer states kept, not 1")
     return problems
