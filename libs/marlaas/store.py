@@ -65,8 +65,8 @@ class ObjectStore(abc.ABC):
 
     def interrupted_writes(self, prefix: str = "") -> list[str]:
         """Keys of writes a killed writer left unfinished under ``prefix``, which :meth:`list`
-        never shows; garbage collection deletes them with their attempt. None here: an S3 PUT
-        is atomic."""
+        never shows; garbage collection deletes them with their attempt. The default finds
+        none, which is right for S3, whose PUTs are atomic; :class:`FileStore` overrides it."""
         return []
 
     @abc.abstractmethod
