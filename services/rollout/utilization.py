@@ -1,7 +1,10 @@
 """How busy the engine is, and how much of that overlaps pending tool calls, as rollout sees it.
 
 The engine counts as busy while at least one request of any job is in it; tools count as
-pending while at least one call is out. The totals (seconds) accumulate between reads and
+pending while at least one call is out. ``engine_request_s`` sums the requests in the engine
+over time, so that over ``engine_busy_s`` it is the mean number in the engine while it works
+(its batch: on a CPU, a step's fixed cost weighs less in a larger one). The totals (seconds)
+accumulate between reads and
 are published as a ``utilization`` span every few seconds, so benchmarks can tell whether
 the engine kept generating while episodes waited on tools (invariant 5). The engine's busy
 intervals themselves (wall-clock, gaps under ``MERGE_GAP_S`` merged) go out as ``engine``
@@ -23,7 +26,8 @@ class Utilization:
         self.engine_requests = 0
         self.tool_calls = 0
         self._at = time.monotonic()
-        self._totals = {"engine_busy_s": 0.0, "tools_pending_s": 0.0, "engine_busy_while_tools_s": 0.0}
+        self._totals = {"engine_busy_s": 0.0, "engine_request_s": 0.0, "tools_pending_s": 0.0,
+                        "engine_busy_while_tools_s": 0.0}
         self._busy_since: float | None = None  # wall clock: when the engine last became busy
         self._intervals: list[tuple[float, float]] = []
 
@@ -32,6 +36,7 @@ class Utilization:
         elapsed, self._at = now - self._at, now
         if self.engine_requests:
             self._totals["engine_busy_s"] += elapsed
+            self._totals["engine_request_s"] += elapsed * self.engine_requests
         if self.tool_calls:
             self._totals["tools_pending_s"] += elapsed
         if self.engine_requests and self.tool_calls:

@@ -46,13 +46,16 @@ def test_a_version_s_overhead_is_everything_but_generation_and_the_gradient_step
 
 def test_run_figures_from_spans_and_job_views():
     spans = [*one_version(), span(UTILIZATION_JOB, "engine", -1, 0.1, 1.1),
-             span(UTILIZATION_JOB, "utilization", -1, 0.0, 2.0, tools_pending_s=0.5),
+             span(UTILIZATION_JOB, "utilization", -1, 0.0, 1.0, tools_pending_s=0.5, engine_busy_s=0.5,
+                  engine_request_s=1.0),
+             span(UTILIZATION_JOB, "utilization", -1, 1.0, 2.0, engine_busy_s=0.5, engine_request_s=3.0),
              span("other-job", "train", 0, 0.0, 2.0)]  # not this run's: ignored
     jobs = [{"id": "j", "name": "a", "state": "completed", "steps": 1, "rewards": [0.5], "ttfs_s": 1.9,
              "tpts_s": None}]
     m = run_metrics(spans, jobs, start=0.0, end=2.0)
     assert m["steps_per_hour"] == pytest.approx(1800)
     assert m["engine_busy"] == pytest.approx(0.5)
+    assert m["engine_requests"] == pytest.approx(4.0)  # 4 request-seconds over 1 busy second
     assert m["trainer_busy"] == pytest.approx(0.3)  # train 0.5 s + commit 0.1 s of 2 s
     assert m["idle"] == pytest.approx(0.2)
     assert m["tokens_per_s"] == pytest.approx(50)

@@ -5,6 +5,7 @@ spans (``generate``, ``reward``, ``train``, ``commit``), rollout's ``engine`` bu
 intervals and ``utilization`` totals (tool waits), and the jobs' records (TTFS, TPTS).
 
 - ``engine_busy``: share of the run's wall time with at least one request in the engine;
+- ``engine_requests``: the mean number of requests in the engine while it is busy (its batch);
 - ``trainer_busy``: share with a GRPO step or a commit running; ``idle``: neither;
 - ``handoff_ms``: policy-committed -> the first generation with that version (announcement,
   adapter download and load), per version;
@@ -109,7 +110,10 @@ def run_metrics(spans: Sequence[Span], jobs: Sequence[dict], start: float, end: 
     trains = [s for s in mine if s.phase == "train" and "tokens" in s.attrs]
     loss_tokens = sum(float(s.attrs["tokens"]) for s in trains)
     scored_tokens = sum(float(s.attrs.get("tokens_scored", s.attrs["tokens"])) for s in trains)
-    tools_pending = sum(float(s.attrs.get("tools_pending_s", 0)) for s in util if s.phase == "utilization")
+    totals = [s.attrs for s in util if s.phase == "utilization"]
+    tools_pending = sum(float(t.get("tools_pending_s", 0)) for t in totals)
+    busy_s = sum(float(t.get("engine_busy_s", 0)) for t in totals)
+    request_s = sum(float(t.get("engine_request_s", 0)) for t in totals)
     ttfs = [j["ttfs_s"] for j in jobs if j.get("ttfs_s") is not None]
     tpts = [j["tpts_s"] for j in jobs if j.get("tpts_s") is not None]
     handoff, ready, overhead = handoffs_ms(mine), ready_to_train_ms(mine), overheads_ms(mine)
@@ -120,6 +124,7 @@ def run_metrics(spans: Sequence[Span], jobs: Sequence[dict], start: float, end: 
         "wall_s": wall,
         "steps_per_hour": steps / wall * 3600 if wall > 0 else 0.0,
         "engine_busy": fraction(engine, start, end),
+        "engine_requests": request_s / busy_s if busy_s else None,
         "trainer_busy": fraction(trainer, start, end),
         "idle": 1.0 - fraction(engine + trainer, start, end),
         "tokens_per_s": tokens / wall if wall > 0 else 0.0,

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 COLUMNS = (("mode", "mode", "{}"), ("jobs", "jobs", "{}"), ("steps", "steps", "{}"),
            ("wall_s", "wall s", "{:.1f}"), ("steps_per_hour", "steps/h", "{:.0f}"),
-           ("engine_busy", "engine busy", "{:.0%}"), ("trainer_busy", "trainer busy", "{:.0%}"),
+           ("engine_busy", "engine busy", "{:.0%}"),
+           ("engine_requests", "engine batch", "{:.0f}"), ("trainer_busy", "trainer busy", "{:.0%}"),
            ("idle", "idle", "{:.0%}"), ("cpu_load", "CPU load", "{:.0%}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
            ("tool_wait_fraction", "tools pending", "{:.0%}"), ("ttfs_s", "TTFS s", "{:.1f}"),
            ("tpts_s", "TPTS s", "{:.2f}"), ("handoff_ms.p50", "commit→gen p50 ms", "{:.0f}"),
