@@ -7,7 +7,8 @@ What one user with one job would write without marlaas, built from marlaas's own
 the comparison is fair: the same ``PolicyEngine`` (vLLM AsyncLLM with LoRA), the same
 episodes (``run_episode``; problems from ``batch_seed``, a seed per sample and turn, a
 batch's episodes concurrent), the task's own reward, the same ``PolicyTrainer`` (GRPO math,
-AdamW; torch threads as the trainer service sets them) and a submission's job defaults.
+AdamW; torch threads as the trainer service sets them where training and generation take
+turns: every core) and a submission's job defaults.
 
 Skipped: the broker (no NATS, no spans), the object store (each version's adapter goes to a
 local directory and is loaded under a fresh version number, as rollout loads it) and the
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import statistics
 import tempfile
@@ -158,14 +158,13 @@ async def run_job(engine, trainer, fmt, config: Config, spec: JobSpec, task: Tas
 
 
 def start_trainer(config: Config):
-    """The trainer service's ``PolicyTrainer``, with torch threads set as that service sets them."""
+    """The trainer service's ``PolicyTrainer``, with torch threads set as that service sets them
+    for a schedule that never trains while the engine generates (the loop takes turns)."""
     import torch
 
-    from services.trainer.policy import PolicyTrainer
+    from services.trainer.policy import PolicyTrainer, torch_threads
 
-    threads = config.trainer.torch_threads
-    if not threads and config.trainer.device == "cpu":  # leave a core to the CPU engine's threads
-        threads = max(1, (os.cpu_count() or 2) - 1)
+    threads = torch_threads(config.trainer.torch_threads, config.trainer.device, beside_engine=False)
     if threads:
         torch.set_num_threads(threads)
     return PolicyTrainer(config.base_model_dir, config.trainer.device, config.trainer.hot_adapters,

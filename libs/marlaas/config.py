@@ -64,7 +64,9 @@ class TrainerConfig(Section):
     hot_adapters: Annotated[int, msgspec.Meta(ge=1)] = 256
     hot_memory_gib: Annotated[float, msgspec.Meta(gt=0)] = 4.0
     micro_batch_tokens: Annotated[int, msgspec.Meta(ge=1)] = 2048  # padded tokens per forward/backward
-    torch_threads: int = 0  # 0 = auto: on cpu, all cores but one (the engine's)
+    # 0 = auto: on cpu, all cores but one (the engine's) under the async schedule, all cores under
+    # sync and sequential, whose train steps never run beside generation (policy.torch_threads)
+    torch_threads: int = 0
     # chaos runs only (libs/marlaas/bench/chaos.py): SIGKILL itself with this probability right
     # after writing an adapter (not committed) and right after committing (not announced)
     fault_crash_p: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0

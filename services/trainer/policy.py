@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import os
 import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -37,6 +38,18 @@ from services.trainer.fused_lora import fuse_lora_layers
 from services.trainer.grpo import (
     GrpoLoss, group_advantages, grpo_loss, head_logprobs, micro_batches, scored_positions, token_logprobs,
 )
+
+
+def torch_threads(configured: int, device: str, beside_engine: bool) -> int:
+    """The trainer's torch threads: ``configured`` when set (not 0); else, on a CPU, every core
+    but one while training runs beside the CPU engine (the ``async`` schedule: one job trains
+    while others generate), and every core where the two take turns (``sync``, ``sequential``,
+    a one-process loop: a core left to an engine that is idle then would idle too). 0 on an
+    accelerator: torch's own default."""
+    if configured or device != "cpu":
+        return configured
+    cores = os.cpu_count() or 2
+    return max(1, cores - 1) if beside_engine else cores
 
 
 class NonFiniteUpdate(Exception):

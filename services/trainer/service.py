@@ -29,7 +29,7 @@ from marlaas.events import (
 from marlaas.runtime import Runtime
 from marlaas.store import ObjectStore
 from marlaas.telemetry import span
-from services.trainer.policy import NonFiniteUpdate, PolicyTrainer, StepResult
+from services.trainer.policy import NonFiniteUpdate, PolicyTrainer, StepResult, torch_threads
 
 log = structlog.get_logger("trainer")
 SERVICE = "trainer"
@@ -181,9 +181,9 @@ async def run(rt: Runtime) -> None:
     cfg = rt.config
     import torch
 
-    threads = cfg.trainer.torch_threads
-    if not threads and cfg.trainer.device == "cpu":  # leave a core to the CPU engine's threads
-        threads = max(1, (os.cpu_count() or 2) - 1)
+    # sync and sequential never train while the engine generates: their train steps get every core
+    threads = torch_threads(cfg.trainer.torch_threads, cfg.trainer.device,
+                            beside_engine=cfg.manager.schedule == "async")
     if threads:
         torch.set_num_threads(threads)
     policy = await asyncio.to_thread(

@@ -11,7 +11,8 @@ from safetensors.torch import load as load_safetensors
 from marlaas.adapters import init_adapter
 from marlaas.basemodel import builtin_model_dir
 from marlaas.events import GrpoSettings, LoraSettings, Sample, TrajectoryBatch
-from services.trainer.policy import NonFiniteUpdate, PolicyTrainer, find_decoder_and_head
+from services.trainer import policy
+from services.trainer.policy import NonFiniteUpdate, PolicyTrainer, find_decoder_and_head, torch_threads
 
 SETTINGS = GrpoSettings(learning_rate=1e-2)
 
@@ -380,3 +381,13 @@ def test_the_fused_lora_layers_match_peft(perturbed):
     assert torch.allclose(fused_logits, peft_logits, atol=1e-5)
     for f, p in zip(fused_grads, peft_grads):
         assert torch.allclose(f, p, atol=1e-6, rtol=1e-4)
+
+
+def test_the_trainer_leaves_the_engine_a_core_only_when_it_trains_beside_it(monkeypatch):
+    monkeypatch.setattr(policy.os, "cpu_count", lambda: 4)
+    assert torch_threads(0, "cpu", beside_engine=True) == 3  # async: one job trains while others generate
+    assert torch_threads(0, "cpu", beside_engine=False) == 4  # sync, sequential: the engine idles meanwhile
+    assert torch_threads(2, "cpu", beside_engine=False) == 2  # a configured count is kept
+    assert torch_threads(0, "cuda", beside_engine=True) == 0  # torch's own default off the CPU
+    monkeypatch.setattr(policy.os, "cpu_count", lambda: 1)
+    assert torch_threads(0, "cpu", beside_engine=True) == 1
