@@ -4,9 +4,9 @@ The engine counts as busy while at least one request of any job is in it; tools 
 pending while at least one call is out. ``engine_request_s`` sums the requests in the engine
 over time, so that over ``engine_busy_s`` it is the mean number in the engine while it works
 (its batch: on a CPU, a step's fixed cost weighs less in a larger one). The totals (seconds)
-accumulate between reads and
-are published as a ``utilization`` span every few seconds, so benchmarks can tell whether
-the engine kept generating while episodes waited on tools (invariant 5). The engine's busy
+accumulate between reads and are published as a ``utilization`` span every few seconds, so
+benchmarks can tell whether the engine kept generating while episodes waited on tools
+(invariant 5). The engine's busy
 intervals themselves (wall-clock, gaps under ``MERGE_GAP_S`` merged) go out as ``engine``
 spans, so a benchmark can tell when neither the engine nor the trainer was working.
 """
