@@ -18,6 +18,7 @@ import time
 import uuid
 
 import structlog
+import torch
 
 from marlaas.adapters import attempt_prefix, read_adapter, write_adapter
 from marlaas.commits import announce, read_job, report_failure
@@ -97,7 +98,7 @@ class Trainer:
         attempt = uuid.uuid4().hex
         async with span(self.bus, SERVICE, "train", job, version, batch_id=event.batch_id, attempt=attempt,
                         batch_version=event.version, sampled_version=batch.policy_version,
-                        committed_version=committed.version) as attrs:
+                        committed_version=committed.version, threads=torch.get_num_threads()) as attrs:
             async with delivery.keep_alive():
                 try:
                     adapter_version, result = await asyncio.to_thread(self._train, committed, batch, spec)
@@ -179,8 +180,6 @@ class Trainer:
 async def run(rt: Runtime) -> None:
     """Load the base model once, re-announce committed versions, then train until stopped."""
     cfg = rt.config
-    import torch
-
     # sync and sequential never train while the engine generates: their train steps get every core
     threads = torch_threads(cfg.trainer.torch_threads, cfg.trainer.device,
                             beside_engine=cfg.manager.schedule == "async")

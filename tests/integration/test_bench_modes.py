@@ -4,6 +4,7 @@ JSON, report and plots come out in the documented shapes."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -44,6 +45,10 @@ def test_sync_rounds_and_single_lora_measured_side_by_side(tmp_path):
             assert 0.0 <= run[key] <= 1.0, (key, run[key])
         assert run["handoff_ms"]["n"] >= 4 and run["ready_to_train_ms"]["p50"] is not None
         assert {"rollout", "trainer", "manager", "env"} <= set(run["peak_rss_mib"])
+    # sync trains while the engine idles: every core; async keeps one for the engine
+    threads = {r["mode"]: r["train_threads"] for r in result["runs"]}
+    cores = os.cpu_count()
+    assert threads == {"sync": [cores], "async-single-lora": [max(1, cores - 1)]}
     assert {p.rsplit("/", 1)[-1] for p in result["plots"]} >= {"throughput.png", "timeline-sync.png"}
     assert "| sync | 2 |" in (out / "results.md").read_text()
 

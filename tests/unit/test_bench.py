@@ -66,10 +66,12 @@ def test_run_figures_from_spans_and_job_views():
 
 
 def test_the_scored_token_share_counts_what_the_trainer_ran_through_the_model():
-    spans = [span("j", "train", 0, 0.0, 1.0, tokens=300.0, tokens_scored=100.0),
+    spans = [span("j", "train", 0, 0.0, 1.0, tokens=300.0, tokens_scored=100.0, threads=2.0),
              span("j", "train", 1, 1.0, 2.0, tokens=100.0)]  # a trainer that skipped nothing
     jobs = [{"id": "j", "name": "a", "state": "completed", "steps": 2, "rewards": [0.5]}]
-    assert run_metrics(spans, jobs, start=0.0, end=2.0)["scored_token_share"] == pytest.approx(0.5)
+    m = run_metrics(spans, jobs, start=0.0, end=2.0)
+    assert m["scored_token_share"] == pytest.approx(0.5)
+    assert m["train_threads"] == [2]  # as the spans that say it
 
 
 def runs():

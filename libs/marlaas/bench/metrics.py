@@ -7,6 +7,7 @@ intervals and ``utilization`` totals (tool waits), and the jobs' records (TTFS, 
 - ``engine_busy``: share of the run's wall time with at least one request in the engine;
 - ``engine_requests``: the mean number of requests in the engine while it is busy (its batch);
 - ``trainer_busy``: share with a GRPO step or a commit running; ``idle``: neither;
+- ``train_threads``: the torch thread counts the trainer's steps ran with;
 - ``handoff_ms``: policy-committed -> the first generation with that version (announcement,
   adapter download and load), per version;
 - ``ready_to_train_ms``: trajectory-ready -> the trainer starting on the batch (the broker,
@@ -126,6 +127,7 @@ def run_metrics(spans: Sequence[Span], jobs: Sequence[dict], start: float, end: 
         "engine_busy": fraction(engine, start, end),
         "engine_requests": request_s / busy_s if busy_s else None,
         "trainer_busy": fraction(trainer, start, end),
+        "train_threads": sorted({int(s.attrs["threads"]) for s in trains if "threads" in s.attrs}),
         "idle": 1.0 - fraction(engine + trainer, start, end),
         "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "tool_wait_fraction": tools_pending / wall if wall > 0 else 0.0,
