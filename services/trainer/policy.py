@@ -45,7 +45,9 @@ def torch_threads(configured: int, device: str, beside_engine: bool) -> int:
     but one while training runs beside the CPU engine (the ``async`` schedule: one job trains
     while others generate), and every core where the two take turns (``sync``, ``sequential``,
     a one-process loop: a core left to an engine that is idle then would idle too). 0 on an
-    accelerator: torch's own default."""
+    accelerator: torch's own default. One exception the caller cannot see: ``sync`` with more
+    jobs than rollout's ``concurrency`` may sample one round while training another; set
+    ``trainer.torch_threads`` for such a deployment."""
     if configured or device != "cpu":
         return configured
     cores = os.cpu_count() or 2
