@@ -149,6 +149,11 @@ class Delivery:
     def num_delivered(self) -> int:
         return self.msg.metadata.num_delivered
 
+    def defer(self) -> None:
+        """The handler has passed this message to work of its own, which acks or naks it later:
+        the consumer loop then settles nothing when the handler returns, and fetches on."""
+        self.settled = True
+
     async def ack(self) -> None:
         self.settled = True
         await self.msg.ack()

@@ -69,6 +69,11 @@ class ObjectStore(abc.ABC):
         none, which is right for S3, whose PUTs are atomic; :class:`FileStore` overrides it."""
         return []
 
+    def collectable(self, prefix: str = "") -> list[str]:
+        """Every key garbage collection may delete under ``prefix``: :meth:`list`'s and
+        :meth:`interrupted_writes`'s (a store that can tell both in one listing does)."""
+        return self.list(prefix) + self.interrupted_writes(prefix)
+
     @abc.abstractmethod
     def delete(self, key: str) -> None: ...
 
@@ -186,13 +191,18 @@ class FileStore(ObjectStore):
         renaming it into place leaves it behind."""
         return self._walk(prefix, temporary=True)
 
-    def _walk(self, prefix: str, temporary: bool) -> list[str]:
+    def collectable(self, prefix: str = "") -> list[str]:
+        """The objects and temp files under ``prefix``, from one walk."""
+        return self._walk(prefix, temporary=None)
+
+    def _walk(self, prefix: str, temporary: bool | None) -> list[str]:
+        """Keys under ``prefix`` of temp files (True), of objects (False) or of both (None)."""
         folder = prefix.rpartition("/")[0]
         keys = []
         for parent, _, names in os.walk(self.path(folder) if folder else self.root):  # errors skip the folder
             for name in names:
                 key = Path(parent, name).relative_to(self.root).as_posix()
-                if key.startswith(prefix) and name.endswith(".tmp") == temporary:
+                if key.startswith(prefix) and temporary in (None, name.endswith(".tmp")):
                     keys.append(key)
         return sorted(keys)
 

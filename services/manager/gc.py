@@ -118,8 +118,7 @@ async def collect_job(bus: Bus, store: ObjectStore, job: str, keep_last: int) ->
     optimizer_key = store.key_of(latest.optimizer.uri) if latest.optimizer else None
     keys = []
     for kind in OBJECT_KINDS:  # a killed writer's unfinished files go with their attempt
-        keys += await asyncio.to_thread(store.list, f"{kind}/{job}/")
-        keys += await asyncio.to_thread(store.interrupted_writes, f"{kind}/{job}/")
+        keys += await asyncio.to_thread(store.collectable, f"{kind}/{job}/")
     doomed = plan_collection(job, keys, committed, latest.version, keep_last, set(record.pinned), optimizer_key)
     return await asyncio.to_thread(_delete, store, keys, doomed)
 

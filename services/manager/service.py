@@ -398,11 +398,29 @@ class Manager:
             passes = self._collecting[event.job]
         else:
             passes = self._collecting[event.job] = self.in_background(self.collect_garbage(event.job))
-        # No later commit retries a finished job's collection: its last announcement is
-        # acknowledged only once a pass succeeded, so a manager killed during that pass (or a
-        # failed pass) gets the announcement again and collects again
-        if last and not await asyncio.shield(passes):
-            raise RuntimeError(f"the last garbage collection of {event.job} failed; retrying it")
+        if last:
+            delivery.defer()
+            self.in_background(self.acknowledge_collected(delivery, event.job, passes))
+
+    async def acknowledge_collected(self, delivery: Delivery, job: str, passes: asyncio.Task) -> None:
+        """Ack a finished job's last announcement once a garbage collection pass succeeded.
+
+        No later commit retries a finished job's collection, so until then its announcement stays
+        unacknowledged: a failed pass naks it, and a manager killed during the pass leaves it to
+        be delivered again; either way it comes back and is collected again. The consumer goes on
+        with other announcements meanwhile (a pass over a large bucket can take a listing's time).
+        """
+        try:
+            async with delivery.keep_alive():
+                ok = await asyncio.shield(passes)
+            if ok:
+                await delivery.ack()
+            else:
+                log.warning("the last garbage collection failed; retrying it", job=job,
+                            attempt=delivery.num_delivered)
+                await delivery.nak(min(delivery.num_delivered, 10))
+        except Exception:  # the broker is gone: the unsettled announcement comes back after AckWait
+            log.exception("could not settle the last announcement", job=job)
 
     async def collect_garbage(self, job: str) -> bool:
         """Delete the job's objects no version needs (``services.manager.gc``); return whether the

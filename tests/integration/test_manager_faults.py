@@ -10,6 +10,7 @@ the final version's announcement delivered twice, or again to a restarted manage
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import msgspec
@@ -212,15 +213,15 @@ async def _completed(bus: Bus, job: str) -> bool:
 
 
 class ListingFailsOnce(FileStore):
-    """A file store whose first listing fails (the store briefly unreachable)."""
+    """A file store whose first listing for garbage collection fails (the store briefly unreachable)."""
 
     listings = 0
 
-    def list(self, prefix: str = "") -> list[str]:
+    def collectable(self, prefix: str = "") -> list[str]:
         self.listings += 1
         if self.listings == 1:
             raise ConnectionError("object store unreachable")
-        return super().list(prefix)
+        return super().collectable(prefix)
 
 
 async def test_a_finished_jobs_failed_last_garbage_collection_is_retried_before_the_announcement_is_acked(
@@ -235,14 +236,58 @@ async def test_a_finished_jobs_failed_last_garbage_collection_is_retried_before_
     consuming = await consume_policy(bus, manager, stop)
     await bus.publish(policy_subject(last.job), encode(last))
     await eventually(lambda: _completed(bus, last.job), what="completed")
-
-    async def acknowledged() -> bool:
-        info = await bus.js.consumer_info("POLICY", "manager")
-        return info.num_pending == 0 and info.num_ack_pending == 0
-
-    await eventually(acknowledged, what="the last announcement acknowledged")
+    await eventually(lambda: _all_acknowledged(bus), what="the last announcement acknowledged")
     await stop_manager(manager, stop, consuming)
     assert store.listings > 1  # the failed pass was followed by one that ran
     keys = await asyncio.to_thread(store.list, f"adapters/{last.job}/")
     assert store.key_of(loser.uri) not in keys  # the losing attempt was collected
     assert store.key_of(last.adapter.uri) in keys
+
+
+async def _all_acknowledged(bus: Bus) -> bool:
+    info = await bus.js.consumer_info("POLICY", "manager")
+    return info.num_pending == 0 and info.num_ack_pending == 0
+
+
+class SlowListing(FileStore):
+    """A file store whose listings for garbage collection of one job's folders wait until
+    ``released`` is set: the listing of a large bucket."""
+
+    def __init__(self, root, slow_job: str) -> None:
+        super().__init__(root)
+        self.slow_job = slow_job
+        self.listing, self.released = threading.Event(), threading.Event()
+
+    def collectable(self, prefix: str = "") -> list[str]:
+        if f"/{self.slow_job}/" in prefix:
+            self.listing.set()
+            self.released.wait(60)
+        return super().collectable(prefix)
+
+
+async def test_a_finished_jobs_last_garbage_collection_does_not_hold_up_other_jobs_announcements(bus, tmp_path):
+    store = SlowListing(tmp_path / "store", "acme.slow")
+    last = await committed_job(bus, store, "slow", steps=2, record_version=1)
+    other = await committed_job(bus, store, "busy", steps=2, record_version=0)
+    manager, stop = await manager_on(bus, store, tmp_path), asyncio.Event()
+    consuming = await consume_policy(bus, manager, stop)
+    try:
+        await bus.publish(policy_subject(last.job), encode(last))
+        assert await asyncio.to_thread(store.listing.wait, 30), "the finished job's last pass never listed"
+        # while that pass lists, another job's trainer commits its version 1
+        await bus.publish(policy_subject(other.job), encode(msgspec.structs.replace(other, version=1)))
+
+        async def recorded() -> bool:
+            record = await record_of(bus, other.job)
+            return record.version == 1 and record.rewards == [0.75]
+
+        await eventually(recorded, what="the other job's version 1 recorded during the pass")
+        info = await bus.js.consumer_info("POLICY", "manager")
+        assert info.num_ack_pending == 1  # the finished job's announcement waits for its pass
+        assert not await _all_acknowledged(bus)
+        store.released.set()
+        await eventually(lambda: _all_acknowledged(bus), what="acknowledged once the pass ended")
+    finally:
+        store.released.set()
+        await stop_manager(manager, stop, consuming)
+    assert (await record_of(bus, last.job)).state is JobState.COMPLETED

@@ -106,6 +106,7 @@ def test_exists_list_delete(store):
     assert store.list() == keys
     assert store.list("acme.j1/") == keys[:2]
     assert store.list("globex.") == []
+    assert store.collectable("acme.j1/") == keys[:2]  # no write was interrupted
     assert all(store.exists(k) for k in keys)
     assert not store.exists("acme.j1/v3/adapter")
 
@@ -190,6 +191,10 @@ def test_crash_between_temp_write_and_rename_leaves_no_object(tmp_path):
     assert store.list() == []
     # ... but garbage collection finds it (``interrupted_writes``) and deletes it with its attempt
     assert store.interrupted_writes() == [temp.relative_to(store.root).as_posix()]
+    sibling = store.put_bytes(ADAPTER_KEY.rpartition("/")[0] + "/config.json", b"{}")
+    assert store.collectable() == sorted([*store.list(), *store.interrupted_writes()])  # both, one walk
+    assert len(store.collectable()) == 2
+    store.delete(store.key_of(sibling.uri))
     with pytest.raises(ObjectNotFound):
         store.get_bytes(ADAPTER_KEY)
     blob = store.put_bytes(ADAPTER_KEY, b"the retried write")  # the retry after restart succeeds
