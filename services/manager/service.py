@@ -408,7 +408,8 @@ class Manager:
         No later commit retries a finished job's collection, so until then its announcement stays
         unacknowledged: a failed pass naks it, and a manager killed during the pass leaves it to
         be delivered again; either way it comes back and is collected again. The consumer goes on
-        with other announcements meanwhile (a pass over a large bucket can take a listing's time).
+        with other announcements meanwhile (a pass over a large bucket can take a listing's time),
+        until its ``max_ack_pending`` (4) announcements wait unacknowledged at once.
         """
         try:
             async with delivery.keep_alive():
