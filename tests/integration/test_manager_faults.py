@@ -284,7 +284,6 @@ async def test_a_finished_jobs_last_garbage_collection_does_not_hold_up_other_jo
         await eventually(recorded, what="the other job's version 1 recorded during the pass")
         info = await bus.js.consumer_info("POLICY", "manager")
         assert info.num_ack_pending == 1  # the finished job's announcement waits for its pass
-        assert not await _all_acknowledged(bus)
         store.released.set()
         await eventually(lambda: _all_acknowledged(bus), what="acknowledged once the pass ended")
     finally:
