@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit bench clean
+.PHONY: setup demo test test-fast test-unit bench clean
 
 setup: $(STAMP)
 
@@ -21,8 +21,14 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/python -m marlaas.demo
 
+# Two workers, a test file each at a time: a stack's test waits on its services a good part
+# of the time, so two files share the two cores (docs/testing.md has the measurements)
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests -n 2 --dist loadfile --durations=15
+
+# the inner loop: unit tests and the integration tests that start no vLLM engine (no `stack` mark)
+test-fast: setup
+	$(BIN)/python -m pytest -q tests -m "not stack" -n 2 --dist loadfile --durations=10
 
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit

@@ -35,6 +35,20 @@ def started_by_the_suite(since: float) -> list:
     return found
 
 
+def pytest_collection_modifyitems(items):
+    """Longest first: `slow` files, then those that start a `stack`, then the rest (stable within
+    each). Under ``-n 2 --dist loadfile`` the workers take files in this order, so the long ones
+    start early and the many short ones fill in beside them."""
+    def weight(item) -> int:
+        return 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("stack") else 2
+
+    files: dict = {}  # path -> (its heaviest test's weight, the order it was collected in)
+    for item in items:
+        heaviest, order = files.get(item.path, (2, len(files)))
+        files[item.path] = (min(heaviest, weight(item)), order)
+    items.sort(key=lambda item: files[item.path])  # whole files move: a module's tests stay together
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_process_left_behind():
     """When the suite ends, nothing it started is still running (a leftover fails the run)."""

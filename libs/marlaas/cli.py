@@ -126,7 +126,7 @@ def _client(config):
     """The HTTP SDK's client: ``MARLAAS_URL`` / ``MARLAAS_TOKEN``, else the stack under the home dir."""
     from marlaas.sdk import Client
 
-    return Client.from_env(home=config.home_dir)
+    return Client.from_env(home=config.home_dir, on_wait=lambda message: print(message, file=sys.stderr))
 
 
 def cmd_submit(args, config) -> int:

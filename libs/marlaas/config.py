@@ -54,6 +54,9 @@ class RolloutConfig(Section):
     tool_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # a tool call's reply deadline
     # a reward request's reply deadline; a request unanswered by then is retried (the env may be restarting)
     reward_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    # an announcement held by a replica that died is sampled again after this long (JetStream's
+    # AckWait); a live replica sends a heartbeat every 5 s while it samples, so it never loses one
+    ack_wait_s: Annotated[float, msgspec.Meta(ge=15)] = 20.0
 
 
 class TrainerConfig(Section):
@@ -70,6 +73,9 @@ class TrainerConfig(Section):
     # chaos runs only (libs/marlaas/bench/chaos.py): SIGKILL itself with this probability right
     # after writing an adapter (not committed) and right after committing (not announced)
     fault_crash_p: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
+    # a trajectory batch held by a trainer that died is delivered again after this long (JetStream's
+    # AckWait); a live trainer sends a heartbeat every 5 s while it trains, so it never loses one
+    ack_wait_s: Annotated[float, msgspec.Meta(ge=15)] = 20.0
 
 
 class ManagerConfig(Section):

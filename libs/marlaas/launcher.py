@@ -39,6 +39,7 @@ from marlaas.natsauth import write_private
 from marlaas.config import Config, dump_config
 from marlaas.embedded_nats import EmbeddedNats, EmbeddedNatsCluster
 from marlaas.processes import SHUTDOWN_GRACE_S, kill_group, spawn
+from marlaas.sdk import discovery
 
 log = structlog.get_logger("marlaas.launcher")
 SERVICES = ("manager", "gateway", "env", "trainer", "rollout")
@@ -139,6 +140,7 @@ class Stack:
         for stale in ready_dir.iterdir():
             stale.unlink()
         (self.run_dir / "gateway.url").unlink(missing_ok=True)
+        discovery.write_state(self.run_dir, discovery.STARTING)  # a client started beside us waits
         url = self.config.nats_url or self._start_broker()
         self.resolved = msgspec.structs.replace(
             self.config, nats_url=url, store_url=self.config.resolved_store_url,
@@ -150,11 +152,34 @@ class Stack:
         try:
             for name in self.services:
                 self._spawn(name)
+            deadline = time.monotonic() + timeout_s
             self.wait_ready(timeout_s)
+            if any(service_of(name) == "gateway" for name in self.services):
+                self.wait_gateway_ready(deadline - time.monotonic())
         except BaseException:
             self.stop()
             raise
+        discovery.write_state(self.run_dir, discovery.READY)
         return self
+
+    def wait_gateway_ready(self, timeout_s: float) -> None:
+        """Wait until the gateway's ``/readyz`` says the manager answers: the signal that a
+        submission will be served (a listening gateway alone answers 503 until then)."""
+        import httpx
+
+        deadline = time.monotonic() + max(timeout_s, 1.0)
+        answer = "no answer"
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                response = httpx.get(f"{self.gateway_url}/readyz", timeout=5.0)
+                if response.status_code == 200:
+                    return
+                answer = response.text
+            except httpx.HTTPError as exc:
+                answer = str(exc)
+            time.sleep(0.2)
+        raise StackError(f"the gateway is not ready after {timeout_s:.0f}s ({answer}); see {self.home / 'logs'}")
 
     @property
     def nats_replicas(self) -> int:
@@ -263,6 +288,7 @@ class Stack:
             self.nats = None
         for marker in ("nats.url", "gateway.url", "services.password"):
             (self.run_dir / marker).unlink(missing_ok=True)
+        discovery.clear_state(self.run_dir)
 
     def __enter__(self) -> Stack:
         return self.start()

@@ -392,7 +392,7 @@ async def run(rt: Runtime) -> None:
     reporter = asyncio.create_task(report_utilization(rt.bus, engine, rt.stop))
     try:
         await rt.bus.consume("POLICY", "rollout", "marlaas.policy.committed.>", rollout.handle,
-                             stop=rt.stop, ack_wait_s=60.0, concurrency=rt.config.rollout.concurrency,
+                             stop=rt.stop, ack_wait_s=rt.config.rollout.ack_wait_s, concurrency=rt.config.rollout.concurrency,
                              on_give_up=rollout.give_up)
     finally:
         watchdog.cancel()

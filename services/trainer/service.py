@@ -195,4 +195,4 @@ async def run(rt: Runtime) -> None:
     rt.ready()
     log.info("ready", device=cfg.trainer.device, base_model=str(cfg.base_model_dir))
     await rt.bus.consume("TRAJ", "trainer", "marlaas.trajectory.ready.>", trainer.handle,
-                         stop=rt.stop, ack_wait_s=60.0, concurrency=1, on_give_up=trainer.give_up)
+                         stop=rt.stop, ack_wait_s=rt.config.trainer.ack_wait_s, concurrency=1, on_give_up=trainer.give_up)

@@ -14,6 +14,8 @@ from marlaas.launcher import Stack
 from marlaas.telemetry import read_spans
 from services.manager.adaptive import SETTLE_STEPS
 
+pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+
 
 @pytest.mark.timeout(500)
 def test_adaptive_admission_admits_one_settled_job_at_a_time(tmp_path):

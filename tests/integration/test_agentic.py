@@ -21,6 +21,8 @@ from marlaas.launcher import Stack
 from marlaas.telemetry import read_spans
 from marlaas.tools.protocol import RESPONSE_CLOSE, RESPONSE_OPEN
 
+pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+
 STEPS = 40
 TOOL_SCRIPT = Path(__file__).parent / "tools" / "acme_calculator.py"
 

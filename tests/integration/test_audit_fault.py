@@ -14,6 +14,8 @@ from marlaas.config import load_config
 from marlaas.launcher import Stack
 from marlaas.telemetry import read_spans
 
+pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+
 STEPS = 4
 
 

@@ -10,6 +10,8 @@ import pytest
 
 from marlaas.bench.chaos import run_chaos
 
+pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)

@@ -1,5 +1,5 @@
 """`marlaas up`: the embedded stack starts as processes, answers the CLI (through the gateway, as
-the default tenant), and Ctrl-C stops it all."""
+the default tenant) even when a command comes the moment `up` starts, and Ctrl-C stops it all."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import time
 import pytest
 
 from marlaas.launcher import SERVICES
+
+pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 
 
 def alive(pid: int) -> bool:
@@ -57,13 +59,18 @@ def test_up_serves_the_cli_and_ctrl_c_stops_every_process(tmp_path):
     up = subprocess.Popen([sys.executable, "-m", "marlaas.cli", "up", "--json"], stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, text=True, env=env)
     try:
+        # a new user's first two commands, at once: the submission waits for the stack, not a 503
+        submit = subprocess.run([sys.executable, "-m", "marlaas.cli", "submit", "--task", "addition", "--steps", "1",
+                                 "--json"], env=env, capture_output=True, text=True, timeout=300)
+        assert submit.returncode == 0, submit.stdout + submit.stderr
+        job = json.loads(submit.stdout)["id"]
         info = json.loads(up.stdout.readline())  # printed once every service is ready
         assert info["nats_url"].startswith("nats://127.0.0.1:")
         assert info["gateway_url"] == (tmp_path / "run" / "gateway.url").read_text().strip()
         assert info["gateway_url"].startswith("http://127.0.0.1:")
         status = subprocess.run([sys.executable, "-m", "marlaas.cli", "status", "--json"], env=env,
                                 capture_output=True, text=True, timeout=60)
-        assert json.loads(status.stdout) == {"jobs": []}
+        assert [view["id"] for view in json.loads(status.stdout)["jobs"]] == [job]
         out = watch_on_a_terminal(env)
         assert "tpts_s" in out  # the live table rendered on a terminal; Ctrl-C ended it with code 0
         children = [int(p.name.rsplit("-", 1)[1]) for p in (tmp_path / "run" / "ready").iterdir()]

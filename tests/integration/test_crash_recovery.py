@@ -14,6 +14,8 @@ from marlaas.config import load_config
 from marlaas.events import POLICY
 from marlaas.launcher import Stack
 
+pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+
 STEPS = 12
 
 

@@ -15,6 +15,8 @@ from marlaas.events import LoraSettings
 from marlaas.store import FileStore
 from services.rollout.engine import PolicyEngine
 
+pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+
 PROMPTS = [[5 + i, 6 + i, 7 + i, 8 + i] for i in range(6)]
 
 

@@ -19,6 +19,8 @@ from marlaas.events import COMMITTED
 from marlaas.launcher import Stack
 from marlaas.telemetry import read_spans
 
+pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+
 STEPS = 8
 
 

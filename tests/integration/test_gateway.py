@@ -24,6 +24,8 @@ from marlaas.sdk import BadRequest, Client, NotFound, QuotaExceeded, Unauthorize
 from marlaas.store import open_store
 from marlaas.tenants import add_tenant, revoke_tenant
 
+pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+
 SMALL = {"task": "reverse", "steps": 3, "seed": 1, "grpo": {"prompts_per_step": 4, "group_size": 4}}
 LONG = {"task": "repeat", "steps": 1000, "seed": 2}  # default GRPO batch: ~3.1 MiB of KV cache
 

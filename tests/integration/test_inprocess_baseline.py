@@ -11,6 +11,8 @@ from safetensors.torch import load_file
 
 from marlaas.adapters import WEIGHTS_FILE
 
+pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "inprocess_grpo.py"
 
 

@@ -12,6 +12,8 @@ from marlaas.config import load_config
 from marlaas.launcher import Stack
 from marlaas.telemetry import read_spans
 
+pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+
 
 @pytest.mark.timeout(400)
 def test_a_job_beyond_the_kv_budget_queues_until_room_frees_up(tmp_path):

@@ -279,6 +279,7 @@ async def announced_versions(url: str, job: str) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.stack
 def test_jobs_finish_exactly_once_through_a_killed_node_and_a_killed_policy_leader(tmp_path):
     config = load_config(overrides={"home": str(tmp_path), "gateway.port": 0}, env={})
     with Stack(config, nats_cluster=3) as stack:

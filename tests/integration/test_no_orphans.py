@@ -40,6 +40,7 @@ def gone(pids: list[int], timeout_s: float = 60) -> bool:
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.stack
 def test_a_killed_rollout_takes_its_engine_core_with_it(tmp_path):
     config = load_config(overrides={"home": str(tmp_path), "gateway.port": 0}, env={})
     with Stack(config, services=("manager", "env", "trainer", "rollout")) as stack:
@@ -65,6 +66,7 @@ def up(tmp_path) -> tuple[subprocess.Popen, list[int]]:
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.stack
 def test_sigterm_stops_the_whole_stack_like_ctrl_c(tmp_path):
     proc, children = up(tmp_path)
     proc.send_signal(signal.SIGTERM)  # what kill, systemd and docker stop send
@@ -73,6 +75,7 @@ def test_sigterm_stops_the_whole_stack_like_ctrl_c(tmp_path):
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.stack
 def test_a_killed_launcher_takes_its_children_with_it(tmp_path):
     proc, children = up(tmp_path)
     proc.kill()  # no chance to clean up: the children must notice on their own

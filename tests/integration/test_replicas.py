@@ -16,6 +16,8 @@ from marlaas.config import load_config
 from marlaas.launcher import Stack
 from marlaas.telemetry import read_spans
 
+pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+
 JOBS = [("addition", 0), ("reverse", 1), ("repeat", 2), ("addition", 3)]
 STEPS = 6
 

@@ -29,6 +29,8 @@ from marlaas.events import POLICY, PolicyCommitted
 from marlaas.launcher import Stack
 from marlaas.telemetry import read_spans
 
+pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+
 STEPS = 40
 JOBS = [
     {"name": "add", "task": "addition", "seed": 1},

@@ -39,7 +39,7 @@ from marlaas.tools.sdk import answer_reward_request, decode_reward_request, rewa
 import polling
 from services.env.rewards import RewardBook
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.stack]
 REWARD_TIMEOUT_S = 2.0  # rollout.reward_timeout_s here (60 s in production)
 TERMINATED = "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.POLICY.rollout"
 

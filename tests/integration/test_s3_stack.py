@@ -11,6 +11,8 @@ from marlaas.config import load_config
 from marlaas.launcher import Stack
 from marlaas.store import S3Store
 
+pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+
 
 @pytest.mark.timeout(400)
 def test_a_job_commits_its_versions_to_the_s3_store(tmp_path, s3_server):

@@ -106,8 +106,8 @@ def test_from_env_says_how_to_reach_a_stack(tmp_path, monkeypatch):
 
     monkeypatch.delenv("MARLAAS_URL", raising=False)
     monkeypatch.delenv("MARLAAS_TOKEN", raising=False)
-    with pytest.raises(MarlaasError, match="marlaas up.*MARLAAS_URL"):
-        Client.from_env(home=tmp_path)
+    with pytest.raises(MarlaasError, match="no stack is running.*marlaas up.*MARLAAS_URL"):
+        Client.from_env(home=tmp_path, wait_s=0.5)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "gateway.url").write_text("http://127.0.0.1:1\n")
     (tmp_path / "run" / "default-tenant.token").write_text("mlt_default_x\n")
@@ -117,6 +117,52 @@ def test_from_env_says_how_to_reach_a_stack(tmp_path, monkeypatch):
     monkeypatch.setenv("MARLAAS_TOKEN", "mlt_a_b")
     with Client.from_env(home=tmp_path / "nowhere") as client:
         assert client.url == "http://example.invalid:9"
+
+
+def test_a_client_waits_for_a_stack_that_is_starting_and_says_so(tmp_path, monkeypatch):
+    import threading
+
+    from marlaas.sdk import Client, MarlaasError, discovery
+
+    monkeypatch.delenv("MARLAAS_URL", raising=False)
+    monkeypatch.delenv("MARLAAS_TOKEN", raising=False)
+    run = tmp_path / "run"
+    discovery.write_state(run, discovery.STARTING)  # this process plays `marlaas up`
+    heard = []
+    with pytest.raises(MarlaasError, match="still starting after 1s"):
+        Client.from_env(home=tmp_path, wait_s=1, on_wait=heard.append)
+    assert len(heard) == 1 and "starting" in heard[0]
+
+    def get_ready() -> None:  # what the launcher does once every service and /readyz answer
+        (run / "gateway.url").write_text("http://127.0.0.1:1\n")
+        (run / "default-tenant.token").write_text("mlt_default_x\n")
+        discovery.write_state(run, discovery.READY)
+
+    timer = threading.Timer(0.6, get_ready)
+    timer.start()
+    with Client.from_env(home=tmp_path, wait_s=30) as client:
+        assert client.url == "http://127.0.0.1:1"
+    timer.join()
+    discovery.clear_state(run)
+    assert discovery.read_state(run) is None
+
+
+def test_a_client_is_told_when_the_starting_stack_died(tmp_path, monkeypatch):
+    import subprocess
+
+    import msgspec
+
+    from marlaas.sdk import Client, MarlaasError, discovery
+
+    monkeypatch.delenv("MARLAAS_URL", raising=False)
+    monkeypatch.delenv("MARLAAS_TOKEN", raising=False)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / discovery.STATE_FILE).write_bytes(
+        msgspec.json.encode(discovery.StackState(state=discovery.STARTING, pid=gone.pid)))
+    with pytest.raises(MarlaasError, match=f"pid {gone.pid}.*exited"):
+        Client.from_env(home=tmp_path, wait_s=30)
 
 
 def test_metrics_show_held_out_scores_without_naming_jobs():

@@ -18,12 +18,13 @@ import os
 import tarfile
 import tempfile
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import msgspec
 
+from marlaas.sdk import discovery
 from marlaas.sdk.schema import Cancelled, Deleted, Event, JobInfo, Pinned, Submitted, VersionInfo
 
 PATH_FIELDS = ("dataset", "corpus", "eval_dataset")  # files the server reads: sent as absolute paths
@@ -114,10 +115,14 @@ class Client:
                                   headers={"Authorization": f"Bearer {token}"})
 
     @classmethod
-    def from_env(cls, home: str | os.PathLike | None = None, timeout_s: float = 60.0) -> Client:
+    def from_env(cls, home: str | os.PathLike | None = None, timeout_s: float = 60.0,
+                 wait_s: float = discovery.STARTUP_WAIT_S, on_wait: Callable[[str], None] | None = None) -> Client:
         """``MARLAAS_URL`` and ``MARLAAS_TOKEN``, else the local stack's: the URL in
         ``<home>/run/gateway.url`` and the default tenant's token in
-        ``<home>/run/default-tenant.token`` (home: ``home``, else the config's)."""
+        ``<home>/run/default-tenant.token`` (home: ``home``, else the config's).
+
+        A local stack that is still starting (``marlaas up &`` a moment ago) is waited for, up to
+        ``wait_s``; ``on_wait`` hears once that it is (the CLI prints it)."""
         url, token = os.environ.get("MARLAAS_URL", ""), os.environ.get("MARLAAS_TOKEN", "")
         if not url or not token:
             if home is None:
@@ -125,6 +130,10 @@ class Client:
 
                 home = load_config().home_dir
             run = Path(home).expanduser() / "run"
+            try:
+                discovery.wait_until_ready(run, wait_s, on_wait=on_wait)
+            except discovery.StackNotReady as exc:
+                raise MarlaasError(f"{exc}; or set MARLAAS_URL and MARLAAS_TOKEN") from None
             url = url or _read_marker(run / "gateway.url", "the gateway's URL")
             token = token or _read_marker(run / "default-tenant.token", "the default tenant's token")
         return cls(url, token, timeout_s)
