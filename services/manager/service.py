@@ -26,13 +26,13 @@ from marlaas.config import Config
 from marlaas.events import (
     COMMITTED, JOB, JOB_RECORD, METRIC, POLICY, EventDecodeError, CommittedVersion, EvalPoint, JobEvaluated, JobFailureReported, JobRecord,
     JobSpec,
-    JobState, JobStateChanged, JobSubmitted, encode,
+    JobState, JobStateChanged, JobSubmitted, RewardRequest, encode,
 )
 from marlaas.runtime import Runtime
 from marlaas.telemetry import span_subject
 from marlaas.store import ObjectStore
 from marlaas.tasks import TaskError, get_task
-from marlaas.tools.registry import ToolNameError, read_tool, split_qualified
+from marlaas.tools.registry import ToolNameError, read_tool, reward_subject, split_qualified
 from services.manager.adaptive import AdaptiveAdmission
 from services.manager.admission import job_footprint, kv_bytes_per_token, to_admit
 from services.manager.gc import collect_job
@@ -204,10 +204,21 @@ class Manager:
             specs.append(spec)
         return msgspec.structs.replace(record, spec=msgspec.structs.replace(record.spec, tool_specs=tuple(specs)))
 
+    async def check_reward_served(self, spec: JobSpec) -> None:
+        """A tenant's reward must be served right now, as its tools must: a request with no items
+        (no reward function runs) finds whether anyone answers on its subject."""
+        if "." not in spec.reward:
+            return  # none (the task's own), or a built-in one: the env serves those with the tasks
+        subject = reward_subject(spec.reward)
+        if not await self.bus.answered(subject, encode(RewardRequest(job=spec.id, task=spec.task, items=[]))):
+            raise api.SubmitError(f"reward {spec.reward!r} is not served right now (nothing answers on {subject}): "
+                                  "start the process that serves it (@reward, serve(...)) first, then submit")
+
     async def submit(self, data: bytes) -> api.SubmitReply:
         try:
             request = api.parse_submission(msgspec.json.decode(data))
             record = await self.resolve_tools(self.validate(request))
+            await self.check_reward_served(record.spec)
         except (api.SubmitError, msgspec.DecodeError) as exc:
             return api.SubmitReply(error=str(exc), code=api.INVALID)
         spec = record.spec

@@ -28,6 +28,8 @@ from marlaas.events import (
     JOB_RECORD, CommittedVersion, EvalPoint, JobEvaluated, JobFailureReported, JobRecord, JobSpec, JobState,
     PolicyCommitted, Sample, TrajectoryBatch, TrajectoryReady, encode,
 )
+from marlaas.tools.registry import reward_subject
+from marlaas.tools.sdk import answer_reward_request, reward
 from polling import eventually
 from services.manager.service import Manager, _reply
 
@@ -253,3 +255,30 @@ async def test_every_integer_of_a_submission_is_range_checked_and_nothing_is_cre
     assert reply.code == api.INVALID and not reply.id
     assert says in reply.error
     assert await bus.kv_keys(JOBS_BUCKET) == []
+
+
+async def test_a_tenants_reward_is_refused_at_submit_unless_it_is_served_right_now(bus, manager):
+    refused = await manager.submit(submission("unserved", reward="acme.length"))
+    assert refused.code == api.INVALID and not refused.id
+    assert refused.error == ("reward 'acme.length' is not served right now (nothing answers on "
+                             "marlaas.reward.acme.length): start the process that serves it (@reward, "
+                             "serve(...)) first, then submit")
+    assert await bus.kv_keys(JOBS_BUCKET) == []
+
+    scored = []
+
+    @reward("length")
+    def length(problem: dict, completion: str) -> float:
+        scored.append(completion)
+        return 1.0
+
+    async def answer(data: bytes) -> bytes:
+        return encode(await answer_reward_request(length, data))
+
+    await bus.serve(reward_subject("acme.length"), "reward-acme", answer)
+    await bus.nc.flush()
+    served = await manager.submit(submission("served", reward="acme.length"))
+    assert served.id and not served.error
+    assert scored == []  # the check ran no reward function
+    builtin = await manager.submit(submission("judged", reward="judge"))  # the env serves it with the tasks
+    assert builtin.id and not builtin.error
