@@ -330,6 +330,17 @@ class Bus:
             raise TimeoutError(f"no reply on {subject!r} within {timeout_s:.1f}s") from exc
         return reply.data
 
+    async def answered(self, subject: str, data: bytes, timeout_s: float = 2.0) -> bool:
+        """Whether a request on ``subject`` reaches anyone now: False when the server says nobody
+        subscribes to it; a subscriber slow to reply (busy) counts as one."""
+        try:
+            await self.nc.request(subject, data, timeout=timeout_s)
+        except nats.errors.NoRespondersError:
+            return False
+        except nats.errors.TimeoutError:
+            pass
+        return True
+
     async def serve(
         self, subject: str, queue: str, answer: Callable[[bytes], Awaitable[bytes]]
     ):

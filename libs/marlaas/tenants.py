@@ -38,6 +38,10 @@ TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 # 128 random bits: with the longest name a token is 69 bytes, within the 72 that bcrypt reads
 TOKEN_RE = re.compile(r"^mlt_([a-z0-9][a-z0-9-]{0,31})_([0-9a-f]{32})$")
 DEFAULT_MAX_JOBS = 8
+# names the platform speaks for: the built-in namespace (tools, rewards), its services and their
+# broker user, and NATS' own account and inbox prefixes
+RESERVED_NAMES = ("builtin", "judge", natsauth.SERVICES_USER, "platform", "sys")
+RESERVED_PREFIXES = ("$", "_")
 
 
 class TenantError(ValueError):
@@ -64,8 +68,10 @@ TENANT = Codec("tenant record", TenantRecord)
 
 def check_tenant_name(name: str) -> str:
     """``name`` if it can be a tenant's (it becomes a subject token and a NATS user name)."""
-    if name == natsauth.SERVICES_USER:
-        raise TenantError(f"{name!r} is the platform's own broker user; choose another tenant name")
+    if name in RESERVED_NAMES or name.startswith(RESERVED_PREFIXES):
+        raise TenantError(f"tenant name {name!r} is reserved (the platform's names are "
+                          f"{', '.join(RESERVED_NAMES)}, and any starting with "
+                          f"{' or '.join(map(repr, RESERVED_PREFIXES))}): choose another name")
     if not TENANT_RE.match(name):
         raise TenantError(f"tenant name {name!r} is invalid: use 1-32 lowercase letters, digits and '-', "
                           "starting with a letter or digit")

@@ -31,7 +31,7 @@ log = structlog.get_logger("gateway")
 KEEPALIVE_S = 15.0
 CHECK_EVERY_S = 2.0  # while idle, look whether the job ended (e.g. deleted, or its eval grace ran out)
 EVAL_GRACE_S = 60.0
-_EVENT_ID = re.compile(r"^(\d{1,19})-(\d{1,19})$")
+_EVENT_ID = re.compile(r"([0-9]{1,19})-([0-9]{1,19})")  # ASCII digits: \d takes any script's
 
 
 class BadEventId(ValueError):
@@ -42,7 +42,7 @@ def parse_event_id(raw: str | None) -> tuple[int, int]:
     """(policy_seq, jobs_seq) from ``<policy_seq>-<jobs_seq>``; (0, 0) = from the start."""
     if not raw:
         return 0, 0
-    found = _EVENT_ID.match(raw.strip())
+    found = _EVENT_ID.fullmatch(raw.strip())
     if not found:
         raise BadEventId(f"Last-Event-ID {raw!r} is not an id this API sent: give the id of the last event "
                          "you received ('<policy_seq>-<jobs_seq>', e.g. '12-40'), or none to start over")

@@ -17,6 +17,7 @@ from marlaas import api
 JSON_TYPES = ("application/json", "")  # no Content-Type: read as JSON
 TOML_TYPES = ("application/toml", "text/x-toml", "text/toml")
 EXAMPLE = '{"task": "addition", "steps": 10}'
+MAX_NESTING = 32  # levels of arrays / objects / tables; bounds the work (and recursion) a body causes
 _AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 _MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
 
@@ -35,26 +36,55 @@ def parse_body(body: bytes, content_type: str) -> dict:
     if not body.strip():
         raise SubmissionRefused(400, f"the request body is empty: send the job as JSON, e.g. {EXAMPLE}, "
                                      "or as TOML with Content-Type: application/toml")
-    if media in TOML_TYPES:
-        try:
-            return tomllib.loads(body.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise SubmissionRefused(400, "the TOML body is not UTF-8 text: save the job file as UTF-8") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise SubmissionRefused(400, f"the body is not valid TOML ({exc}): fix the job file at that "
-                                         "line and column") from None
-    if media in JSON_TYPES or media.endswith("+json"):
-        try:
-            tree = msgspec.json.decode(body)
-        except msgspec.DecodeError as exc:
-            raise SubmissionRefused(400, f"the body is not valid JSON ({exc}): send one JSON object, "
-                                         f"e.g. {EXAMPLE}") from None
-        if not isinstance(tree, dict):
-            raise SubmissionRefused(400, f"the job must be a JSON object of fields, e.g. {EXAMPLE}; "
-                                         f"got a {type(tree).__name__}")
-        return tree
-    raise SubmissionRefused(415, f"Content-Type {media!r} is not accepted for a job: send application/json "
-                                 "or application/toml")
+    try:
+        if media in TOML_TYPES:
+            tree = parse_toml(body)
+        elif media in JSON_TYPES or media.endswith("+json"):
+            tree = parse_json(body)
+        else:
+            raise SubmissionRefused(415, f"Content-Type {media!r} is not accepted for a job: send "
+                                         "application/json or application/toml")
+    except RecursionError:  # the parser's own limit, far deeper than ours
+        raise too_deep() from None
+    if nesting(tree) > MAX_NESTING:
+        raise too_deep()
+    return tree
+
+
+def too_deep() -> SubmissionRefused:
+    return SubmissionRefused(400, f"the job is nested more than {MAX_NESTING} levels deep (arrays, objects or "
+                                  "tables within each other); a job needs 3 at most (a [grpo] table, a 'tools' "
+                                  f"list): send its fields, e.g. {EXAMPLE}")
+
+
+def parse_toml(body: bytes) -> dict:
+    try:
+        return tomllib.loads(body.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise SubmissionRefused(400, "the TOML body is not UTF-8 text: save the job file as UTF-8") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SubmissionRefused(400, f"the body is not valid TOML ({exc}): fix the job file at that "
+                                     "line and column") from None
+
+
+def parse_json(body: bytes) -> dict:
+    try:
+        tree = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise SubmissionRefused(400, f"the body is not valid JSON ({exc}): send one JSON object, "
+                                     f"e.g. {EXAMPLE}") from None
+    if not isinstance(tree, dict):
+        raise SubmissionRefused(400, f"the job must be a JSON object of fields, e.g. {EXAMPLE}; "
+                                     f"got a {type(tree).__name__}")
+    return tree
+
+
+def nesting(value, limit: int = MAX_NESTING) -> int:
+    """How many levels of lists and dicts ``value`` holds, counted to at most ``limit + 1``."""
+    if not isinstance(value, (dict, list)) or limit < 0:
+        return 0
+    children = value.values() if isinstance(value, dict) else value
+    return 1 + max((nesting(child, limit - 1) for child in children), default=0)
 
 
 def check_submission(tree: dict, tenant: str) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
 import tarfile
 
 from litestar import Request, delete, get, post
@@ -25,20 +26,18 @@ from services.gateway.submission import SubmissionRefused, check_submission, par
 
 CHUNK_BYTES = 64 * 1024
 MAX_VERSION = 100_000  # the most steps a job may have
+_VERSION = re.compile(r"[0-9]{1,6}")
 REFUSALS = {api.QUOTA: 429, api.NOT_FOUND: 404, api.FINISHED: 409, api.INVALID: 400,
             api.UNAVAILABLE: 503}
 
 
 def version_number(raw: str, name: str) -> int:
-    """A version from a path or query parameter; a clear 400 when it is not a number >= 0."""
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= MAX_VERSION or not raw.strip().isdigit():
+    """A version from a path or query parameter; a clear 400 when it is not ASCII digits
+    (``int`` would read other scripts' digits: '٣' is 3) or not a number from 0 to MAX_VERSION."""
+    if not _VERSION.fullmatch(raw) or int(raw) > MAX_VERSION:
         raise ApiError(400, f"{name} must be a whole number from 0 to {MAX_VERSION} (a committed version, "
-                            f"e.g. 3), not {raw!r}")
-    return value
+                            f"in the digits 0-9, e.g. 3), not {raw!r}")
+    return int(raw)
 
 
 async def owned(request: Request, tenant: TenantRecord, job: str):

@@ -26,13 +26,13 @@ from marlaas.config import Config
 from marlaas.events import (
     COMMITTED, JOB, JOB_RECORD, METRIC, POLICY, EventDecodeError, CommittedVersion, EvalPoint, JobEvaluated, JobFailureReported, JobRecord,
     JobSpec,
-    JobState, JobStateChanged, JobSubmitted, encode,
+    JobState, JobStateChanged, JobSubmitted, RewardRequest, encode,
 )
 from marlaas.runtime import Runtime
 from marlaas.telemetry import span_subject
 from marlaas.store import ObjectStore
 from marlaas.tasks import TaskError, get_task
-from marlaas.tools.registry import ToolNameError, read_tool, split_qualified
+from marlaas.tools.registry import ToolNameError, read_tool, reward_subject, split_qualified
 from services.manager.adaptive import AdaptiveAdmission
 from services.manager.admission import job_footprint, kv_bytes_per_token, to_admit
 from services.manager.gc import collect_job
@@ -44,6 +44,12 @@ _TENANT = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 # the range of sampling temperatures accepted: random sampling only (greedy has no logprobs to
 # train on), and not so flat or so sharp that float32 logprobs of engine and trainer drift apart
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 5.0
+# upper bounds of a submission's integers: generous for real jobs, and within what torch, peft and
+# vLLM take (a seed is a torch generator's, which holds a signed 64-bit integer)
+MAX_SEED = 2**63 - 1
+MAX_STEPS = 100_000
+MAX_PROMPTS_PER_STEP, MAX_GROUP_SIZE = 4096, 1024
+MAX_LORA_ALPHA = 4096
 AGENT_METRICS = ("tool/", "episode/")
 GC_EVERY = 5  # versions between garbage collections of a job's stored objects
 BUILTIN_REWARDS = ("judge",)  # served by env: an LLM judge at env.judge_url (see services/env)  # per-version figures kept in the job record, beside rewards
@@ -58,6 +64,10 @@ def linear_module_names(model_dir) -> set[str]:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
             if isinstance(module, torch.nn.Linear) and name != "lm_head"}
+
+
+class Unadmittable(Exception):
+    """A queued job that no admission pass can ever admit (its settings cannot be trained)."""
 
 
 class Manager:
@@ -94,9 +104,12 @@ class Manager:
         problems = [
             (len(request.name) > 64, "name must be at most 64 characters"),
             (not _TENANT.match(request.tenant), "tenant must be lowercase letters, digits and '-'"),
-            (not 1 <= request.steps <= 100_000, "steps must be between 1 and 100000"),
-            (g.prompts_per_step < 1, "grpo.prompts_per_step must be at least 1"),
-            (g.group_size < 2, "grpo.group_size must be at least 2 (GRPO compares samples in a group)"),
+            (not 1 <= request.steps <= MAX_STEPS, f"steps must be between 1 and {MAX_STEPS}"),
+            (not 0 <= request.seed <= MAX_SEED, f"seed must be between 0 and {MAX_SEED} (2**63 - 1)"),
+            (not 1 <= g.prompts_per_step <= MAX_PROMPTS_PER_STEP,
+             f"grpo.prompts_per_step must be between 1 and {MAX_PROMPTS_PER_STEP}"),
+            (not 2 <= g.group_size <= MAX_GROUP_SIZE, f"grpo.group_size must be at least 2 and at most "
+             f"{MAX_GROUP_SIZE} (GRPO compares samples in a group)"),
             (not MIN_TEMPERATURE <= g.temperature <= MAX_TEMPERATURE,
              f"grpo.temperature must be in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] (sampling is "
              "random; the trainer scores the same tempered policy)"),
@@ -105,12 +118,14 @@ class Manager:
             (g.kl_coef < 0, "grpo.kl_coef must be >= 0"),
             (not 1 <= lora.rank <= rc.max_lora_rank,
              f"lora.rank must be between 1 and {rc.max_lora_rank} (rollout.max_lora_rank)"),
-            (g.max_new_tokens < 0, "grpo.max_new_tokens must be >= 0 (0 = the task's own budget)"),
-            (request.eval_every < 0, "eval_every must be >= 0 (0 = no evaluation)"),
+            (not 0 <= g.max_new_tokens <= rc.max_model_len, f"grpo.max_new_tokens must be >= 0 and at most "
+             f"{rc.max_model_len} (rollout.max_model_len; 0 = the task's own budget)"),
+            (not 0 <= request.eval_every <= MAX_STEPS,
+             f"eval_every must be >= 0 and at most {MAX_STEPS} (0 = no evaluation)"),
             (not 1 <= request.eval_problems <= 1000, "eval_problems must be between 1 and 1000"),
             (bool(request.eval_dataset) and not request.eval_every,
              "eval_dataset is set but eval_every is 0: set eval_every = N to evaluate every N versions"),
-            (not lora.alpha > 0, "lora.alpha must be > 0"),
+            (not 1 <= lora.alpha <= MAX_LORA_ALPHA, f"lora.alpha must be between 1 and {MAX_LORA_ALPHA}"),
             (lora.dropout != 0, "lora.dropout must be 0 for RL jobs: dropout makes the trained policy "
              "differ from the one that sampled the batch (off-policy); drop lora.dropout"),
             (not lora.target_modules, "lora.target_modules must name at least one module"),
@@ -189,10 +204,21 @@ class Manager:
             specs.append(spec)
         return msgspec.structs.replace(record, spec=msgspec.structs.replace(record.spec, tool_specs=tuple(specs)))
 
+    async def check_reward_served(self, spec: JobSpec) -> None:
+        """A tenant's reward must be served right now, as its tools must: a request with no items
+        (no reward function runs) finds whether anyone answers on its subject."""
+        if "." not in spec.reward:
+            return  # none (the task's own), or a built-in one: the env serves those with the tasks
+        subject = reward_subject(spec.reward)
+        if not await self.bus.answered(subject, encode(RewardRequest(job=spec.id, task=spec.task, items=[]))):
+            raise api.SubmitError(f"reward {spec.reward!r} is not served right now (nothing answers on {subject}): "
+                                  "start the process that serves it (@reward, serve(...)) first, then submit")
+
     async def submit(self, data: bytes) -> api.SubmitReply:
         try:
             request = api.parse_submission(msgspec.json.decode(data))
             record = await self.resolve_tools(self.validate(request))
+            await self.check_reward_served(record.spec)
         except (api.SubmitError, msgspec.DecodeError) as exc:
             return api.SubmitReply(error=str(exc), code=api.INVALID)
         spec = record.spec
@@ -266,6 +292,10 @@ class Manager:
             for job in admitted:
                 try:
                     await self.admit(next(r for r in records if r.spec.id == job).spec)
+                except Unadmittable as exc:  # the job's own fault: it alone fails, the pass goes on
+                    log.warning("job cannot be admitted", job=job, reason=str(exc))
+                    await self.transition(job, JobState.FAILED, str(exc), admit_next=False)
+                    continue
                 except Exception as exc:  # FIFO: the jobs behind it wait too; the next pass retries
                     await self.note_queued(job, f"not admitted yet: admission failed ({type(exc).__name__}: "
                                                 f"{exc}); retrying")
@@ -293,7 +323,14 @@ class Manager:
     async def admit(self, spec: JobSpec) -> None:
         """Commit version 0 (seeded LoRA init), then mark the job running."""
         if await self.bus.kv_get(VERSIONS_BUCKET, spec.id) is None:
-            config_json, weights = await asyncio.to_thread(init_adapter, self.model_dir, spec.lora, spec.seed)
+            try:
+                config_json, weights = await asyncio.to_thread(init_adapter, self.model_dir, spec.lora,
+                                                               spec.seed)
+            except (OSError, MemoryError):
+                raise  # the machine's fault (the base model's config unreadable): retried
+            except Exception as exc:  # init_adapter is a function of the spec: retrying cannot help
+                raise Unadmittable(f"not admitted: version 0 cannot be built from the job's settings "
+                                   f"({type(exc).__name__}: {exc}); fix them and submit the job again") from exc
             adapter = await asyncio.to_thread(write_adapter, self.store, spec.id, 0, config_json, weights)
             v0 = CommittedVersion(job=spec.id, version=0, adapter=adapter, committed_at=time.time())
             try:
@@ -346,8 +383,11 @@ class Manager:
             except StaleRevision:
                 continue
 
-    async def transition(self, job: str, state: JobState, reason: str = "", **fields) -> bool:
-        """Move a job to ``state`` unless it is already finished; publish the change."""
+    async def transition(self, job: str, state: JobState, reason: str = "", *, admit_next: bool = True,
+                         **fields) -> bool:
+        """Move a job to ``state`` unless it is already finished; publish the change. A finished
+        job frees room: an admission pass follows, unless ``admit_next`` is False (the caller is
+        one, holding its lock)."""
 
         def change(r: JobRecord) -> JobRecord | None:
             if r.state.finished or r.state is state:
@@ -363,7 +403,8 @@ class Manager:
         if state.finished:
             if self._unfinished is not None:
                 self._unfinished.discard(job)
-            await self.try_admission()
+            if admit_next:
+                await self.try_admission()
         return True
 
     async def on_policy(self, delivery: Delivery) -> None:

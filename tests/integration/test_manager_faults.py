@@ -110,6 +110,28 @@ async def _running(bus: Bus, job: str) -> JobRecord | None:
     return record if record is not None and record.state is JobState.RUNNING else None
 
 
+async def test_a_job_whose_version_0_cannot_be_built_fails_alone_and_the_pass_admits_the_jobs_behind_it(
+        bus, file_store, tmp_path):
+    manager = await manager_on(bus, file_store, tmp_path)
+    # queued by a manager that did not range-check seeds yet: torch's generator cannot take this one
+    bad = JobSpec(id="acme.huge-seed", tenant="acme", name="huge-seed", task="addition", steps=2, seed=2**64,
+                  submitted_at=time.time() - 1)
+    await bus.kv_create(JOBS_BUCKET, bad.id, encode(JobRecord(spec=bad, kv_cache_bytes=1)))
+    fine = await manager.submit(submission("fine"))  # behind it in the queue
+    assert fine.id and not fine.error
+
+    await asyncio.wait_for(manager.admit_queued(), 60)
+    failed = await record_of(bus, bad.id)
+    assert failed.state is JobState.FAILED
+    assert failed.reason.startswith("not admitted: version 0 cannot be built from the job's settings "
+                                    "(ValueError: Overflow")
+    assert failed.reason.endswith("fix them and submit the job again")
+    assert [(e.state, e.reason) for e in await state_events(bus, bad.id)] == [(JobState.FAILED, failed.reason)]
+    assert await bus.kv_get(VERSIONS_BUCKET, bad.id) is None
+    assert (await record_of(bus, fine.id)).state is JobState.RUNNING  # the same pass went on
+    assert COMMITTED.decode((await bus.kv_get(VERSIONS_BUCKET, fine.id)).value).version == 0
+
+
 # --- submission -----------------------------------------------------------------------------
 
 

@@ -28,6 +28,8 @@ from marlaas.events import (
     JOB_RECORD, CommittedVersion, EvalPoint, JobEvaluated, JobFailureReported, JobRecord, JobSpec, JobState,
     PolicyCommitted, Sample, TrajectoryBatch, TrajectoryReady, encode,
 )
+from marlaas.tools.registry import reward_subject
+from marlaas.tools.sdk import answer_reward_request, reward
 from polling import eventually
 from services.manager.service import Manager, _reply
 
@@ -233,3 +235,50 @@ async def test_a_dataset_line_that_is_not_json_refuses_the_submit_naming_the_lin
                                                eval_dataset=str(dataset)))
     assert held_out.code == api.INVALID and held_out.error.startswith(f"eval_dataset: {dataset}:3: not JSON (")
     assert await bus.kv_keys(JOBS_BUCKET) == []
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"seed": 10**400}, "seed must be between 0 and 9223372036854775807"),
+    ({"seed": 2**64}, "seed must be between 0 and 9223372036854775807"),
+    ({"seed": -1}, "seed must be between 0 and 9223372036854775807"),
+    ({"steps": 10**400}, "steps must be between 1 and 100000"),
+    ({"eval_every": 10**400}, "eval_every must be >= 0 and at most 100000"),
+    ({"eval_problems": 10**400}, "eval_problems must be between 1 and 1000"),
+    ({"grpo": {"prompts_per_step": 10**400}}, "grpo.prompts_per_step must be between 1 and 4096"),
+    ({"grpo": {"group_size": 2**64}}, "grpo.group_size must be at least 2 and at most 1024"),
+    ({"grpo": {"max_new_tokens": 2**64}}, "grpo.max_new_tokens must be >= 0 and at most 512"),
+    ({"lora": {"rank": 10**400}}, "lora.rank must be between 1 and 8"),
+    ({"lora": {"alpha": 10**400}}, "lora.alpha must be between 1 and 4096"),
+])
+async def test_every_integer_of_a_submission_is_range_checked_and_nothing_is_created(bus, manager, fields, says):
+    reply = await manager.submit(submission("huge", **fields))
+    assert reply.code == api.INVALID and not reply.id
+    assert says in reply.error
+    assert await bus.kv_keys(JOBS_BUCKET) == []
+
+
+async def test_a_tenants_reward_is_refused_at_submit_unless_it_is_served_right_now(bus, manager):
+    refused = await manager.submit(submission("unserved", reward="acme.length"))
+    assert refused.code == api.INVALID and not refused.id
+    assert refused.error == ("reward 'acme.length' is not served right now (nothing answers on "
+                             "marlaas.reward.acme.length): start the process that serves it (@reward, "
+                             "serve(...)) first, then submit")
+    assert await bus.kv_keys(JOBS_BUCKET) == []
+
+    scored = []
+
+    @reward("length")
+    def length(problem: dict, completion: str) -> float:
+        scored.append(completion)
+        return 1.0
+
+    async def answer(data: bytes) -> bytes:
+        return encode(await answer_reward_request(length, data))
+
+    await bus.serve(reward_subject("acme.length"), "reward-acme", answer)
+    await bus.nc.flush()
+    served = await manager.submit(submission("served", reward="acme.length"))
+    assert served.id and not served.error
+    assert scored == []  # the check ran no reward function
+    builtin = await manager.submit(submission("judged", reward="judge"))  # the env serves it with the tasks
+    assert builtin.id and not builtin.error

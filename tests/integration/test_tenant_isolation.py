@@ -318,6 +318,15 @@ async def test_a_revoked_tenants_token_is_refused_even_to_reconnect(stack):
         await asyncio.to_thread(tenant_cli, stack.home, "add", "delta")
 
 
+async def test_the_platforms_names_cannot_be_added_as_tenants(stack):
+    for name in ("builtin", "judge", "services", "platform", "sys", "$sys", "$G", "_inbox"):
+        with pytest.raises(TenantError, match=r"is reserved \(.*\): choose another name"):
+            await asyncio.to_thread(tenant_cli, stack.home, "add", name)
+    code, listed = await asyncio.to_thread(tenant_cli, stack.home, "list")
+    reserved = {"builtin", "judge", "services", "platform", "sys"}
+    assert not [t["name"] for t in listed["tenants"] if t["name"] in reserved or t["name"][0] in "$_"]
+
+
 def test_a_config_nats_server_refuses_is_never_applied(stack):
     auth = stack.home / "nats" / "auth.conf"
     before = auth.read_text()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import json
+import re
 import tarfile
 
 import pytest
@@ -62,6 +64,29 @@ def test_submission_errors_name_the_field_and_the_fix(tree, says):
         check_submission(tree, "alice")
 
 
+DEEP_BODIES = {  # (body, Content-Type): each nests far past the gateway's limit
+    "100k-deep JSON array": (b"[" * 100_000 + b"]" * 100_000, "application/json"),
+    "5k nested JSON objects": (b'{"a": ' * 5_000 + b"1" + b"}" * 5_000, "application/json"),
+    "40-deep JSON in a field": (b'{"task": "addition", "steps": 2, "tools": ' + b"[" * 40 + b"]" * 40 + b"}",
+                                "application/json"),
+    "100k-deep TOML array": (b"task = " + b"[" * 100_000 + b"]" * 100_000, "application/toml"),
+    "5k nested TOML inline tables": (b"grpo = " + b"{a = " * 5_000 + b"1" + b"}" * 5_000, "application/toml"),
+    "a 5k-deep TOML table header": (b"[" + b".".join([b"grpo"] * 5_000) + b"]\nx = 1\n", "application/toml"),
+}
+
+
+@pytest.mark.parametrize("body, content_type", DEEP_BODIES.values(), ids=DEEP_BODIES.keys())
+def test_deeply_nested_bodies_are_refused_with_the_limit(body, content_type):
+    with pytest.raises(SubmissionRefused, match=r"nested more than 32 levels deep .* a job needs 3") as refused:
+        parse_body(body, content_type)
+    assert refused.value.status == 400
+
+
+def test_bodies_nested_up_to_the_limit_are_read():
+    nested = b"[" * 31 + b"]" * 31  # 32 levels with the job's object
+    assert parse_body(b'{"tools": ' + nested + b"}", "application/json")["tools"] == json.loads(nested)
+
+
 def test_event_ids_round_trip_and_bad_ones_say_what_to_send():
     assert parse_event_id(None) == (0, 0) and parse_event_id("12-40") == (12, 40)
     for bad in ("12", "a-b", "-1-2", "1-2-3", "1" * 30 + "-1"):
@@ -79,6 +104,18 @@ def test_version_parameters_must_be_whole_numbers():
     for bad in ("-1", "1.5", "abc", "", " ", "9" * 30):
         with pytest.raises(Exception, match="whole number"):
             version_number(bad, "v")
+
+
+@pytest.mark.parametrize("raw", ["\u0663", "\uff13", "\U0001d7d1", "1\u0662", " 3", "3\n", "+3", "3_0"])
+def test_version_parameters_are_ascii_digits_only(raw):  # Arabic-Indic, fullwidth, math digits; signs, spaces
+    with pytest.raises(Exception, match=f"whole number from 0 to 100000 .*, not {re.escape(repr(raw))}"):
+        version_number(raw, "v")
+
+
+@pytest.mark.parametrize("raw", ["\u0663-\u0664", "12-4\uff10"])
+def test_event_ids_are_ascii_digits_only(raw):
+    with pytest.raises(BadEventId, match="is not an id this API sent"):
+        parse_event_id(raw)
 
 
 def test_the_adapter_archive_holds_the_two_peft_files_at_its_root():

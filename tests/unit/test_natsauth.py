@@ -78,6 +78,13 @@ def test_tenants_are_sorted_and_a_tenant_cannot_be_the_services_user():
         natsauth.render_auth('h"', [])
 
 
+@pytest.mark.parametrize("name", ["builtin", "judge", "services", "platform", "sys", "$sys", "$G", "_inbox", "_x"])
+def test_reserved_names_cannot_be_tenants(name):
+    with pytest.raises(TenantError, match=rf"tenant name {re.escape(repr(name))} is reserved .*: choose another name"):
+        check_tenant_name(name)
+    assert check_tenant_name("builtins") == "builtins"  # only the names themselves
+
+
 def test_the_hash_is_bcrypt_in_the_form_nats_server_reads_and_tokens_fit_in_it():
     token = new_token("a" * 32)  # the longest tenant name
     assert len(token.encode()) <= 72 and tenant_of_token(token) == "a" * 32
