@@ -22,13 +22,15 @@ demo: setup
 	$(BIN)/python -m marlaas.demo
 
 # Two workers, a test file each at a time: a stack's test waits on its services a good part
-# of the time, so two files share the two cores (docs/testing.md has the measurements)
+# of the time, so two files share the two cores (docs/testing.md has the measurements). Files
+# go out in tests/conftest.py's order, longest first (xdist would put the files with the most
+# tests first, and the one-test chaos run last)
 test: setup
-	$(BIN)/python -m pytest -q tests -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q tests -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # the inner loop: unit tests and the integration tests that start no vLLM engine (no `stack` mark)
 test-fast: setup
-	$(BIN)/python -m pytest -q tests -m "not stack" -n 2 --dist loadfile --durations=10
+	$(BIN)/python -m pytest -q tests -m "not stack" -n 2 --dist loadfile --no-loadscope-reorder --durations=10
 
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit

@@ -14,12 +14,16 @@ from __future__ import annotations
 import re
 import sys
 from collections import defaultdict
+from pathlib import Path
+from xml.etree import ElementTree
 
 LINE = re.compile(r"^\s*([\d.]+)s (setup|call|teardown)\s+(\S+?)::(\S+)")
 
 
 def per_file(path: str) -> tuple[dict[str, dict[str, float]], dict[str, set[str]]]:
-    """{file: {phase: seconds}} and {file: test ids}."""
+    """{file: {phase: seconds}} and {file: test ids}. pytest hides durations under 5 ms unless
+    ``--durations-min=0``: a JUnit XML of the same run beside the log (``run.xml`` for
+    ``run.log``, from ``--junitxml``) gives the full count of tests per file."""
     times: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     tests: dict[str, set[str]] = defaultdict(set)
     with open(path, errors="replace") as f:
@@ -28,6 +32,14 @@ def per_file(path: str) -> tuple[dict[str, dict[str, float]], dict[str, set[str]
                 seconds, phase, file, test = float(m[1]), m[2], m[3], m[4]
                 times[file][phase] += seconds
                 tests[file].add(test)
+    junit = Path(path).with_suffix(".xml")
+    if junit.exists():
+        tests = defaultdict(set)
+        for case in ElementTree.parse(junit).iter("testcase"):
+            module = case.get("classname", "")
+            while module and not module.rsplit(".", 1)[-1].startswith("test_"):
+                module = module.rsplit(".", 1)[0]  # a test class's name: up to its module
+            tests[module.replace(".", "/") + ".py"].add(f"{case.get('classname')}::{case.get('name')}")
     return times, tests
 
 
@@ -37,13 +49,14 @@ def total(phases: dict[str, float]) -> float:
 
 def main(paths: list[str]) -> None:
     runs = [per_file(p) for p in paths]
-    files = sorted({f for times, _ in runs for f in times}, key=lambda f: -total(runs[0][0].get(f, {})))
+    files = sorted({f for times, tests in runs for f in (*times, *tests)},
+                   key=lambda f: -total(runs[0][0].get(f, {})))
     if len(runs) == 1:
         times, tests = runs[0]
         print("| file | tests | setup s | call s | teardown s | total s |")
         print("|---|---:|---:|---:|---:|---:|")
         for f in files:
-            p = times[f]
+            p = times.get(f, {"setup": 0.0, "call": 0.0, "teardown": 0.0})
             print(f"| {f} | {len(tests[f])} | {p['setup']:.0f} | {p['call']:.0f} | {p['teardown']:.0f} | {total(p):.0f} |")
         print(f"| **all** | {sum(len(t) for t in tests.values())} | "
               + " | ".join(f"{sum(p[ph] for p in times.values()):.0f}" for ph in ("setup", "call", "teardown"))

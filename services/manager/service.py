@@ -118,8 +118,8 @@ class Manager:
             (g.kl_coef < 0, "grpo.kl_coef must be >= 0"),
             (not 1 <= lora.rank <= rc.max_lora_rank,
              f"lora.rank must be between 1 and {rc.max_lora_rank} (rollout.max_lora_rank)"),
-            (not 0 <= g.max_new_tokens <= rc.max_model_len, f"grpo.max_new_tokens must be >= 0 and at most "
-             f"{rc.max_model_len} (rollout.max_model_len; 0 = the task's own budget)"),
+            (g.max_new_tokens < 0, "grpo.max_new_tokens must be >= 0 (0 = the task's own budget); its "
+             "upper bound is rollout.max_model_len less the prompt, checked with the task below"),
             (not 0 <= request.eval_every <= MAX_STEPS,
              f"eval_every must be >= 0 and at most {MAX_STEPS} (0 = no evaluation)"),
             (not 1 <= request.eval_problems <= 1000, "eval_problems must be between 1 and 1000"),
