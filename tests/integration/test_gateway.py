@@ -150,7 +150,7 @@ BAD_SUBMISSIONS = [  # (body or json, headers, status, what the message must say
     ({**AGENTIC, "tools": ["bob.weather"]}, {}, 400, ["belongs to tenant 'bob'", "alice.<name>"]),
     ({"task": "addition", "steps": 2, "eval_every": -1}, {}, 400, ["eval_every must be >= 0"]),
     ({"task": "addition", "steps": 2, "name": "x" * 65}, {}, 400, ["name must be at most 64 characters"]),
-    ({"task": "addition", "steps": 2, "dataset": "/tmp/x.jsonl"}, {}, 400, ["takes no dataset", "drop 'dataset'"]),
+    ({"task": "addition", "steps": 2, "dataset": "/tmp/x.jsonl"}, {}, 400, ["is not an uploaded file", "POST /v1/files"]),
     ({"task": "addition", "steps": 2, "name": "x" * (2 << 20)}, {}, 413, ["gateway.max_body_bytes", "smaller"]),
 ]
 
