@@ -85,7 +85,7 @@ def cmd_tasks(args, config) -> int:
 
 def submission_from_args(args) -> dict:
     """Merge a TOML job file with flags (flags win); ``--set grpo.learning_rate=1e-3`` style too."""
-    from marlaas.sdk.http import PATH_FIELDS, BadRequest, read_job_file
+    from marlaas.sdk.http import PATH_FIELDS, BadRequest, is_file_id, read_job_file
 
     job: dict = {}
     if args.file:
@@ -116,8 +116,8 @@ def submission_from_args(args) -> dict:
     if missing:
         raise ValueError(f"missing {' and '.join(missing)}: give a job file or --task NAME --steps N")
     job.setdefault("name", job["task"])
-    for key in PATH_FIELDS:  # the manager runs elsewhere: send absolute paths (a job file's are
-        if isinstance(job.get(key), str):  # already, relative to it; flags and --set relative to here)
+    for key in PATH_FIELDS:  # local files, uploaded at submit: a job file's paths are relative to
+        if isinstance(job.get(key), str) and not is_file_id(job[key]):  # it, flags' and --set's to here
             job[key] = str(Path(job[key]).expanduser().resolve())
     return job
 

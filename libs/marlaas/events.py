@@ -257,8 +257,9 @@ class RewardRequest(Event, tag="reward.request"):
     job: str
     task: str
     items: list[RewardItem]
-    dataset: str = ""  # the job's dataset, for tasks built from user data
+    dataset: str = ""  # the job's dataset, for tasks built from user data (a file id, or a platform path)
     corpus: str = ""
+    tenant: str = ""  # the job's tenant: whose uploaded files the ids above name
 
 
 class RewardResult(Event, tag="reward.result"):

@@ -5,25 +5,31 @@ from __future__ import annotations
 import math
 
 from marlaas.events import RewardRequest, RewardResult
+from marlaas.files import DataFiles
 from marlaas.tasks import Task, TaskError, get_task
 
 
 class RewardBook:
-    """Builds each (task, dataset, corpus) once and scores requests against it."""
+    """Builds each (tenant, task, dataset, corpus) once and scores requests against it. A job's
+    uploaded files (``file-...``) are read through ``files``, among its own tenant's only."""
 
-    def __init__(self) -> None:
-        self._tasks: dict[tuple[str, str | None, str | None], Task] = {}
+    def __init__(self, files: DataFiles | None = None) -> None:
+        self.files = files
+        self._tasks: dict[tuple[str, str, str | None, str | None], Task] = {}
 
-    def task(self, name: str, dataset: str | None, corpus: str | None = None) -> Task:
-        key = (name, dataset, corpus)
+    def task(self, name: str, dataset: str | None, corpus: str | None = None, tenant: str = "") -> Task:
+        key = (tenant, name, dataset, corpus)
         if key not in self._tasks:
-            self._tasks[key] = get_task(name, dataset, corpus)
+            if self.files is None:
+                self._tasks[key] = get_task(name, dataset, corpus)
+            else:
+                self._tasks[key] = self.files.task(tenant, name, dataset, corpus)
         return self._tasks[key]
 
     def score(self, request: RewardRequest) -> RewardResult:
         """Rewards in [0, 1] for every item, or an error naming what went wrong."""
         try:
-            task = self.task(request.task, request.dataset or None, request.corpus or None)
+            task = self.task(request.task, request.dataset or None, request.corpus or None, request.tenant)
             rewards = [float(task.reward(item.problem, item.completion)) for item in request.items]
         except (TaskError, KeyError, TypeError, ValueError) as exc:
             return RewardResult(error=f"task {request.task!r} could not score job {request.job}: {exc}")

@@ -12,6 +12,7 @@ import asyncio
 import structlog
 
 from marlaas.events import RewardResult, encode
+from marlaas.files import DataFiles
 from marlaas.runtime import Runtime
 from marlaas.telemetry import span
 from marlaas.tools.sdk import decode_reward_request
@@ -27,7 +28,7 @@ def reward_subject(task: str) -> str:
 
 
 async def run(rt: Runtime) -> None:
-    book = RewardBook()
+    book = RewardBook(DataFiles(rt.store, rt.config.home_dir / "cache" / "files"))
     judge = Judge(rt.config.env)
 
     async def answer(data: bytes) -> bytes:

@@ -146,9 +146,10 @@ async def openapi_json(request: Request) -> dict:
 
 def create_app(gateway: Gateway) -> Litestar:
     """The ASGI app serving ``gateway``."""
+    from services.gateway.files import FILE_ROUTES
     from services.gateway.views import JOB_ROUTES
 
-    v1 = Router(path="/v1", route_handlers=JOB_ROUTES,
+    v1 = Router(path="/v1", route_handlers=[*JOB_ROUTES, *FILE_ROUTES],
                 dependencies={"tenant": Provide(authenticated_tenant)}, security=[{"bearer": []}])
     return Litestar(
         route_handlers=[v1, healthz, readyz, metrics, openapi_json],
@@ -157,7 +158,8 @@ def create_app(gateway: Gateway) -> Litestar:
         request_max_body_size=gateway.config.gateway.max_body_bytes,
         openapi_config=OpenAPIConfig(
             title="marlaas", version="1", path="/schema",
-            description="Multi-tenant asynchronous RL for LLMs: submit jobs, follow them, download adapters.",
+            description="Multi-tenant asynchronous RL for LLMs: upload data, submit jobs, follow them, download "
+                        "adapters.",
             components=Components(security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer")}),
         ),
         debug=False,

@@ -7,12 +7,15 @@ against the running stack (tasks, tools, budgets) and is the one that creates it
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
+from pathlib import Path
 
 import msgspec
 
 from marlaas import api
+from marlaas.files import DATA_FIELDS, is_file_id
 
 JSON_TYPES = ("application/json", "")  # no Content-Type: read as JSON
 TOML_TYPES = ("application/toml", "text/x-toml", "text/toml")
@@ -87,10 +90,11 @@ def nesting(value, limit: int = MAX_NESTING) -> int:
     return 1 + max((nesting(child, limit - 1) for child in children), default=0)
 
 
-def check_submission(tree: dict, tenant: str) -> dict:
+def check_submission(tree: dict, tenant: str, allow_paths_under: str = "") -> dict:
     """Put the token's tenant into the tree and check its fields and types; return the tree.
 
-    A body naming another tenant is refused (403): the tenant of a job is its token's.
+    A body naming another tenant is refused (403): the tenant of a job is its token's. Its data
+    (``dataset``, ``corpus``, ``eval_dataset``) must be uploaded files (see :func:`data_fields`).
     """
     named = tree.get("tenant")
     if named is not None and named != tenant:
@@ -102,6 +106,26 @@ def check_submission(tree: dict, tenant: str) -> dict:
         api.parse_submission(tree)
     except api.SubmitError as exc:
         raise SubmissionRefused(400, explain(exc)) from None
+    return data_fields(tree, allow_paths_under)
+
+
+def data_fields(tree: dict, allow_paths_under: str = "") -> dict:
+    """The tree with its data fields checked: each names an uploaded file (``file-...``, which
+    the manager looks up among the tenant's own), or, only where the operator allows it
+    (``gateway.allow_server_paths_under``), an absolute path inside that directory, sent on
+    resolved. Whether a refused path exists on the server is never told."""
+    allowed = Path(os.path.realpath(allow_paths_under)) if allow_paths_under else None
+    for key in DATA_FIELDS:
+        value = tree.get(key)
+        if not value or is_file_id(value):
+            continue
+        resolved = Path(os.path.realpath(value)) if os.path.isabs(value) else None
+        if allowed is None or resolved is None or not resolved.is_relative_to(allowed):
+            raise SubmissionRefused(400, (
+                f"field '{key}': {value!r} is not an uploaded file; a job names its data by file id: upload "
+                f"the JSONL with POST /v1/files (it answers {{\"id\": \"file-...\"}}) and set {key} = "
+                '"file-...", or let `marlaas submit` / the SDK upload a local file for you'))
+        tree = {**tree, key: str(resolved)}
     return tree
 
 

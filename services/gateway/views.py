@@ -56,7 +56,7 @@ async def submit_job(request: Request, tenant: TenantRecord) -> Submitted:
     gateway = gateway_of(request)
     try:
         tree = check_submission(parse_body(await request.body(), request.headers.get("content-type", "")),
-                                tenant.name)
+                                tenant.name, gateway.config.gateway.allow_server_paths_under)
     except SubmissionRefused as exc:
         raise ApiError(exc.status, str(exc)) from None
     reply = await gateway.call(api.SUBMIT, tree, api.SubmitReply)

@@ -28,10 +28,11 @@ from marlaas.events import (
     JobSpec,
     JobState, JobStateChanged, JobSubmitted, RewardRequest, encode,
 )
+from marlaas.files import DataFiles
 from marlaas.runtime import Runtime
 from marlaas.telemetry import span_subject
 from marlaas.store import ObjectStore
-from marlaas.tasks import TaskError, get_task
+from marlaas.tasks import TaskError
 from marlaas.tools.registry import ToolNameError, read_tool, reward_subject, split_qualified
 from services.manager.adaptive import AdaptiveAdmission
 from services.manager.admission import job_footprint, kv_bytes_per_token, to_admit
@@ -76,6 +77,7 @@ class Manager:
     def __init__(self, bus: Bus, store: ObjectStore, config: Config) -> None:
         self.bus, self.store, self.config = bus, store, config
         self.model_dir = config.base_model_dir
+        self.files = DataFiles(store, config.home_dir / "cache" / "files")  # tenants' uploaded data
         self.bytes_per_token = kv_bytes_per_token(self.model_dir, config.rollout.dtype)
         self.budget_bytes = int(config.manager.kv_budget_gib * 2**30)
         self._admission = asyncio.Lock()
@@ -136,13 +138,13 @@ class Manager:
         errors = [message for bad, message in problems if bad]
         if errors:
             raise api.SubmitError("; ".join(errors))
-        try:
-            task = get_task(request.task, request.dataset, request.corpus)
+        try:  # a file id is looked up among the submitting tenant's files only
+            task = self.files.task(request.tenant, request.task, request.dataset, request.corpus)
         except TaskError as exc:
             raise api.SubmitError(str(exc)) from exc
         if request.eval_dataset:
             try:
-                get_task(request.task, request.eval_dataset, request.corpus)
+                self.files.task(request.tenant, request.task, request.eval_dataset, request.corpus)
             except TaskError as exc:
                 raise api.SubmitError(f"eval_dataset: {exc}") from exc
         g = msgspec.structs.replace(g, max_new_tokens=g.max_new_tokens or task.max_new_tokens)

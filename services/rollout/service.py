@@ -26,9 +26,10 @@ from marlaas.events import (
     JOB, JOB_RECORD, POLICY, REWARD, EventDecodeError, JobEvaluated, JobSpec, JobState, JobStateChanged, PolicyCommitted,
     RewardItem, RewardRequest, Span, TrajectoryBatch, TrajectoryReady, encode,
 )
+from marlaas.files import DataFiles
 from marlaas.runtime import Runtime
 from marlaas.store import ObjectStore
-from marlaas.tasks import Task, TaskError, get_task
+from marlaas.tasks import Task, TaskError
 from marlaas.telemetry import UTILIZATION_JOB, span, span_subject
 from marlaas.tools.registry import reward_subject
 from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
@@ -102,6 +103,7 @@ class Rollout:
         self.format = ConversationFormat(engine.tokenizer)
         # per process: replicas on one machine never delete each other's adapter files
         self.cache_dir = rt.config.home_dir / "cache" / f"adapters-{os.getpid()}"
+        self.files = DataFiles(rt.store, rt.config.home_dir / "cache" / "files")  # tenants' uploaded data
         remove_dead_replicas_caches(self.cache_dir.parent)
         self.tasks: dict[str, Task] = {}
         self.adapter_locks: dict[str, asyncio.Lock] = {}
@@ -131,7 +133,7 @@ class Rollout:
     def task_of(self, spec: JobSpec) -> Task:
         if spec.id not in self.tasks:
             try:
-                self.tasks[spec.id] = get_task(spec.task, spec.dataset, spec.corpus)
+                self.tasks[spec.id] = self.files.task(spec.tenant, spec.task, spec.dataset, spec.corpus)
             except TaskError as exc:  # e.g. the dataset file went away since submission
                 raise PoisonMessage(str(exc)) from exc
         return self.tasks[spec.id]
@@ -181,7 +183,8 @@ class Rollout:
         """Score ``event.version`` greedily on the job's held-out set; publish it as ``job.eval``."""
         version = event.version
         try:
-            task = self.eval_tasks.get(spec.id) or get_task(spec.task, spec.eval_dataset or spec.dataset, spec.corpus)
+            task = self.eval_tasks.get(spec.id) or self.files.task(spec.tenant, spec.task,
+                                                                    spec.eval_dataset or spec.dataset, spec.corpus)
             self.eval_tasks[spec.id] = task
             problems = task.problems(spec.eval_problems, EVAL_SEED)
             prompt_ids = [self.format.prompt_ids(p["prompt"], list(spec.tool_specs)) for p in problems]
@@ -315,7 +318,7 @@ class Rollout:
         """Scores of every completion (flattened in group order) by the task's or the job's reward."""
         items = [RewardItem(problem=p, completion=text) for p, g in zip(problems, groups) for text in g]
         request = RewardRequest(job=spec.id, task=spec.task, items=items, dataset=spec.dataset or "",
-                                corpus=spec.corpus or "")
+                                corpus=spec.corpus or "", tenant=spec.tenant)
         subject = reward_subject(spec.reward) if spec.reward else f"marlaas.reward.{spec.task}"
         data, limit = encode(request), self.bus.nc.max_payload
         if len(data) > limit:  # never sendable: fail the job now rather than after every retry

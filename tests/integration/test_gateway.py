@@ -150,7 +150,7 @@ BAD_SUBMISSIONS = [  # (body or json, headers, status, what the message must say
     ({**AGENTIC, "tools": ["bob.weather"]}, {}, 400, ["belongs to tenant 'bob'", "alice.<name>"]),
     ({"task": "addition", "steps": 2, "eval_every": -1}, {}, 400, ["eval_every must be >= 0"]),
     ({"task": "addition", "steps": 2, "name": "x" * 65}, {}, 400, ["name must be at most 64 characters"]),
-    ({"task": "addition", "steps": 2, "dataset": "/tmp/x.jsonl"}, {}, 400, ["takes no dataset", "drop 'dataset'"]),
+    ({"task": "addition", "steps": 2, "dataset": "/tmp/x.jsonl"}, {}, 400, ["is not an uploaded file", "POST /v1/files"]),
     ({"task": "addition", "steps": 2, "name": "x" * (2 << 20)}, {}, 413, ["gateway.max_body_bytes", "smaller"]),
 ]
 
@@ -279,6 +279,27 @@ def load_with_peft(adapter_dir) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.timeout(300)
+def test_a_job_on_an_uploaded_dataset_trains_to_completion(alice, bob, tmp_path):
+    """A gsm8k job file naming a local JSONL: the SDK uploads it, the manager checks it and the
+    rollout and env read it from the store by its id; bob cannot name alice's file."""
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"}) + "\n"
+                            for a in range(1, 5) for b in range(1, 5)))
+    job_file = tmp_path / "job.toml"
+    job_file.write_text('name = "uploaded"\ntask = "gsm8k"\nsteps = 2\nseed = 3\ndataset = "math.jsonl"\n'
+                        'eval_every = 1\neval_problems = 4\neval_dataset = "math.jsonl"\n'
+                        "[grpo]\nprompts_per_step = 2\ngroup_size = 2\nmax_new_tokens = 16\n")
+    job = alice.submit(job_file)
+    info = wait_finished(alice, job)
+    assert info.state == "completed" and info.version == 2, info.reason
+    assert len(info.rewards) == 2 and [e.version for e in info.evals] == [0, 1, 2]
+    (uploaded,) = [f for f in alice.files() if f.name == "math.jsonl"]
+    assert uploaded.records == 16
+    with pytest.raises(BadRequest, match=f"^no file '{uploaded.id}' among your uploaded files"):
+        bob.submit({"task": "gsm8k", "steps": 2, "dataset": uploaded.id})
+
+
 def test_tenants_see_and_touch_only_their_own_jobs(stack, url, tokens, alice, bob, finished_job):
     job, before = finished_job, alice.job(finished_job)
     missing = "bob.nothing-000000"

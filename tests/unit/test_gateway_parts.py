@@ -52,6 +52,23 @@ def test_bodies_are_json_or_toml_and_the_tenant_is_the_token_s():
     assert refused.value.status == 403
 
 
+def test_server_paths_pass_only_inside_the_operators_directory(tmp_path):
+    """``gateway.allow_server_paths_under``: off by default; on, an absolute path inside that
+    directory is sent on resolved, and one that leaves it (``..``, a symlink) is refused like any."""
+    allowed, outside = tmp_path / "shared", tmp_path / "private"
+    allowed.mkdir(), outside.mkdir()
+    (allowed / "escape").symlink_to(outside)
+    job = {"task": "gsm8k", "steps": 2}
+    assert check_submission({**job, "dataset": f"{allowed}/./math.jsonl"}, "alice", str(allowed))["dataset"] == \
+        str(allowed / "math.jsonl")
+    assert check_submission({**job, "dataset": "file-" + "a" * 32}, "alice")["dataset"] == "file-" + "a" * 32
+    for path, under in [(f"{allowed}/math.jsonl", ""), (f"{allowed}/../private/x.jsonl", str(allowed)),
+                        (f"{allowed}/escape/x.jsonl", str(allowed)), ("math.jsonl", str(allowed))]:
+        with pytest.raises(SubmissionRefused, match=f"^field 'dataset': {re.escape(repr(path))} is not an "
+                                                    "uploaded file; .* POST /v1/files"):
+            check_submission({**job, "dataset": path}, "alice", under)
+
+
 @pytest.mark.parametrize("tree, says", [
     ({"task": "addition", "steps": "x"}, "field 'steps': expected int, got str; give 'steps' a value"),
     ({"task": "addition", "steps": 2, "grpo": {"group_size": 1.5}}, "field 'grpo.group_size': expected int"),

@@ -8,12 +8,17 @@
         print(event.event, event.data)
     client.download(job, "adapter/")     # a PEFT directory
 
+A job's data (``dataset``, ``corpus``, ``eval_dataset``) is named by uploaded file id: ``submit``
+uploads each local file a job names (once per content: a file the tenant already has is reused
+by its sha256) and sends the id; ``upload`` / ``files`` / ``delete_file`` manage them directly.
+
 Every refusal raises a :class:`MarlaasError` subclass carrying the server's message,
 which says what to fix.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tarfile
 import tempfile
@@ -25,9 +30,11 @@ import httpx
 import msgspec
 
 from marlaas.sdk import discovery
-from marlaas.sdk.schema import Cancelled, Deleted, Event, JobInfo, Pinned, Submitted, VersionInfo
+from marlaas.sdk.schema import (
+    Cancelled, Deleted, Event, FileDeleted, FileInfo, JobInfo, Pinned, Submitted, VersionInfo,
+)
 
-PATH_FIELDS = ("dataset", "corpus", "eval_dataset")  # files the server reads: sent as absolute paths
+PATH_FIELDS = ("dataset", "corpus", "eval_dataset")  # a job's data: local files, uploaded at submit
 
 
 class MarlaasError(RuntimeError):
@@ -73,7 +80,7 @@ def _raise_for(response: httpx.Response) -> None:
 
 
 def read_job_file(path: str | os.PathLike) -> dict:
-    """A TOML job file as a submission; relative data paths are made absolute (the server reads them)."""
+    """A TOML job file as a submission; relative data paths are made absolute (relative to the file)."""
     path = Path(path)
     if not path.is_file():
         raise BadRequest(f"job file {path} does not exist")
@@ -82,9 +89,14 @@ def read_job_file(path: str | os.PathLike) -> dict:
     except tomllib.TOMLDecodeError as exc:
         raise BadRequest(f"job file {path} is not valid TOML: {exc}") from None
     for key in PATH_FIELDS:
-        if isinstance(job.get(key), str):
+        if isinstance(job.get(key), str) and not is_file_id(job[key]):
             job[key] = str((path.parent / Path(job[key]).expanduser()).resolve())
     return job
+
+
+def is_file_id(value: object) -> bool:
+    """Whether a job's data field names an uploaded file (``file-...``) rather than a path."""
+    return isinstance(value, str) and value.startswith("file-")
 
 
 def parse_sse(lines: Iterator[str]) -> Iterator[Event]:
@@ -159,11 +171,55 @@ class Client:
         return msgspec.json.decode(self._request("GET", path, **kwargs).content, type=type_)
 
     def submit(self, job: dict | str | os.PathLike) -> str:
-        """Submit a job (a dict of job-file fields, or the path of a TOML job file); returns its id."""
+        """Submit a job (a dict of job-file fields, or the path of a TOML job file); returns its id.
+        Local files named in its data fields are uploaded first (see :meth:`with_uploaded_data`)."""
         body = read_job_file(job) if isinstance(job, (str, os.PathLike)) else dict(job)
+        body = self.with_uploaded_data(body)
         reply = self._request("POST", "/v1/jobs", content=msgspec.json.encode(body),
                               headers={"Content-Type": "application/json"})
         return msgspec.json.decode(reply.content, type=Submitted).id
+
+    def with_uploaded_data(self, job: dict) -> dict:
+        """``job`` with each local path in its data fields (relative to the working directory, or
+        to the job file) replaced by the id of that file uploaded: a file the tenant already has
+        (the same sha256) is not sent again."""
+        local = {key: job[key] for key in PATH_FIELDS
+                 if isinstance(job.get(key), str) and job[key] and not is_file_id(job[key])}
+        if not local:
+            return job
+        held = {f.sha256: f.id for f in self.files()}
+        uploaded = {}
+        for key, value in local.items():
+            path = Path(value).expanduser()
+            try:
+                data = path.read_bytes()
+            except OSError as exc:
+                raise BadRequest(f"{key} = {value!r}: cannot read that local file ({exc.strerror}): give the "
+                                 "path of your JSONL file (relative to the job file), or an uploaded file's id "
+                                 "(file-...)") from None
+            digest = hashlib.sha256(data).hexdigest()
+            if digest not in held:
+                held[digest] = self._upload_bytes(data, path.name).id
+            uploaded[key] = held[digest]
+        return {**job, **uploaded}
+
+    def upload(self, path: str | os.PathLike) -> FileInfo:
+        """Upload a local JSONL file (a dataset or a corpus); a job names it by the ``id`` returned."""
+        path = Path(path).expanduser()
+        return self._upload_bytes(path.read_bytes(), path.name)
+
+    def _upload_bytes(self, data: bytes, name: str) -> FileInfo:
+        reply = self._request("POST", "/v1/files", params={"name": name}, content=data,
+                              headers={"Content-Type": "application/jsonl"})
+        return msgspec.json.decode(reply.content, type=FileInfo)
+
+    def files(self) -> list[FileInfo]:
+        """Your uploaded data files, oldest first."""
+        return self._get("/v1/files", list[FileInfo])
+
+    def delete_file(self, file_id: str) -> bool:
+        """Delete one of your data files."""
+        return msgspec.json.decode(self._request("DELETE", f"/v1/files/{file_id}").content, type=FileDeleted).deleted
 
     def jobs(self) -> list[JobInfo]:
         """Your jobs, in submission order."""

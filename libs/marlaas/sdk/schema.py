@@ -75,6 +75,24 @@ class Event(msgspec.Struct, kw_only=True, frozen=True):
     data: dict = {}
 
 
+class FileInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """One uploaded data file of the tenant (``POST /v1/files``, ``GET /v1/files``); a job names
+    it by ``id`` (``dataset = "file-..."``). The id comes from the content: the same bytes
+    uploaded again are the same file."""
+
+    id: str
+    size: int  # bytes
+    sha256: str
+    records: int  # JSON objects (non-blank lines)
+    name: str = ""  # what the uploader called it (shown only; the first upload's name stays)
+    created_at: float = 0.0
+
+
+class FileDeleted(msgspec.Struct, kw_only=True, frozen=True):
+    id: str
+    deleted: bool = True
+
+
 class Submitted(msgspec.Struct, kw_only=True, frozen=True):
     id: str
 
