@@ -40,6 +40,7 @@ from marlaas.config import Config, dump_config
 from marlaas.embedded_nats import EmbeddedNats, EmbeddedNatsCluster
 from marlaas.processes import SHUTDOWN_GRACE_S, kill_group, spawn
 from marlaas.sdk import discovery
+from marlaas.store import make_private_dirs
 
 log = structlog.get_logger("marlaas.launcher")
 SERVICES = ("manager", "gateway", "env", "trainer", "rollout")
@@ -133,10 +134,11 @@ class Stack:
 
     def start(self, timeout_s: float = 180.0) -> Stack:
         """Start the broker and every service; return once all report ready."""
-        self.home.mkdir(parents=True, exist_ok=True)
-        (self.home / "logs").mkdir(exist_ok=True)
+        make_private_dirs(self.home)  # a new home is 0700; an existing one keeps its mode
         ready_dir = self.run_dir / "ready"
-        ready_dir.mkdir(parents=True, exist_ok=True)
+        for folder in (self.home / "logs", self.run_dir, ready_dir):
+            make_private_dirs(folder)
+            folder.chmod(0o700)  # ours: private also when an older version made it 0755
         for stale in ready_dir.iterdir():
             stale.unlink()
         (self.run_dir / "gateway.url").unlink(missing_ok=True)
@@ -217,12 +219,12 @@ class Stack:
         return url
 
     def _spawn(self, name: str) -> None:
-        logfile = open(self.home / "logs" / f"{name}.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.child_env}
-        self.procs[name] = spawn(
-            [sys.executable, "-m", f"services.{service_of(name)}", "--config", str(self.config_path)],
-            stdout=logfile, stderr=subprocess.STDOUT, env=env,
-        )
+        with open_private_log(self.home / "logs" / f"{name}.log") as logfile:  # the child holds its own handle
+            self.procs[name] = spawn(
+                [sys.executable, "-m", f"services.{service_of(name)}", "--config", str(self.config_path)],
+                stdout=logfile, stderr=subprocess.STDOUT, env=env,
+            )
 
     def kill(self, name: str) -> None:
         """SIGKILL one service and everything it started (a crash, for chaos tests); its
@@ -295,6 +297,14 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def open_private_log(path: Path):
+    """``path`` opened for appending, readable by its owner only (0600, also when it existed):
+    a service's log names tenants, jobs and their errors."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
 
 
 def run_coroutine(coroutine):
