@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+OPERATOR_TOKEN_FILE = "operator.token"  # under <home>/run: the operator's token for /metrics and the schema
+
 
 class ConfigError(ValueError):
     """A config value is missing, misspelled or of the wrong type."""
@@ -138,6 +140,10 @@ class GatewayConfig(Section):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8470  # 0 = any free port (tests)
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1 << 20  # a job spec is a few hundred bytes
+    # the operator's bearer token for /metrics and the API schema (MARLAAS_OPERATOR_TOKEN);
+    # "" = read it from operator_token_file, which "" makes <home>/run/operator.token (`marlaas up` writes it)
+    operator_token: str = ""
+    operator_token_file: str = ""
 
 
 class Config(Section):
@@ -171,6 +177,13 @@ class Config(Section):
         return self.store_url or f"file://{self.home_dir / 'store'}"
 
     @property
+    def operator_token_path(self) -> Path:
+        """The file the gateway reads the operator's token from when ``gateway.operator_token`` is empty."""
+        if self.gateway.operator_token_file:
+            return Path(self.gateway.operator_token_file).expanduser()
+        return self.home_dir / "run" / OPERATOR_TOKEN_FILE
+
+    @property
     def base_model_dir(self) -> Path:
         if self.base_model:
             path = Path(self.base_model).expanduser()
@@ -195,6 +208,7 @@ _ENV = {
     "MARLAAS_LOG_LEVEL": "log_level",
     "MARLAAS_DEVICE": "trainer.device",
     "MARLAAS_SCHEDULE": "manager.schedule",
+    "MARLAAS_OPERATOR_TOKEN": "gateway.operator_token",
 }
 
 

@@ -8,8 +8,10 @@ drains its in-flight work on SIGTERM) and the broker last.
 The embedded broker requires credentials (:mod:`marlaas.natsauth`). Under ``<home>/run``,
 each readable by its owner only: ``services.password`` (new at every start),
 ``nats.url`` (the broker's URL with the services' credentials in it: what the services,
-``marlaas status`` and the test suite connect with) and ``default-tenant.token`` (the token
-of tenant ``default``, made once, for the CLI and the SDK).
+``marlaas status`` and the test suite connect with), ``default-tenant.token`` (the token
+of tenant ``default``, made once, for the CLI and the SDK) and ``operator.token`` (new at
+every start unless the config names the operator's own: the bearer token of the gateway's
+``/metrics`` and API schema, for Prometheus and the operator, never a tenant).
 
 ``nats_cluster=3`` (``marlaas up --nats-cluster 3``) runs the broker as a three-node JetStream
 cluster on loopback (:class:`~marlaas.embedded_nats.EmbeddedNatsCluster`, under
@@ -121,6 +123,11 @@ class Stack:
     def default_token_file(self) -> Path:
         return self.run_dir / DEFAULT_TOKEN_FILE
 
+    @property
+    def operator_token(self) -> str:
+        """The bearer token of the gateway's ``/metrics`` and API schema (the operator's only)."""
+        return self.config.gateway.operator_token or self.config.operator_token_path.read_text().strip()
+
     def summary(self) -> dict:
         """What ``marlaas up`` prints: addresses (no secrets), the home dir, the token file."""
         token_file = self.default_token_file
@@ -130,6 +137,7 @@ class Stack:
             "home": str(self.home),
             "store": self.resolved.store_url,
             "default_token_file": str(token_file) if token_file.exists() else None,
+            "operator_token_file": None if self.config.gateway.operator_token else str(self.config.operator_token_path),
         }
 
     def start(self, timeout_s: float = 180.0) -> Stack:
@@ -151,6 +159,9 @@ class Stack:
         self.config_path = self.run_dir / "config.json"
         write_private(self.config_path, dump_config(self.resolved).decode())  # holds the password
         write_private(self.run_dir / "nats.url", url)
+        gateway = self.config.gateway
+        if not (gateway.operator_token or gateway.operator_token_file):
+            write_private(self.config.operator_token_path, secrets.token_hex(24))
         try:
             for name in self.services:
                 self._spawn(name)

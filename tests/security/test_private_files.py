@@ -1,5 +1,6 @@
-"""What the embedded stack writes on disk is its owner's only: the services' logs and the file
-store (every tenant's adapters) are not readable by other users of the machine."""
+"""What the embedded stack writes on disk is its owner's only: the services' logs, the secrets
+under ``run/`` (the operator's token among them) and the file store (every tenant's adapters)
+are not readable by other users of the machine."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from marlaas import launcher
 from marlaas.config import load_config
 from marlaas.launcher import Stack
 from marlaas.store import FileStore
+from services.gateway.service import operator_token
 
 
 def mode(path) -> int:
@@ -23,8 +25,9 @@ def test_the_file_store_creates_its_folders_0700_and_its_files_0600(tmp_path):
     store = FileStore(tmp_path / "shared" / "home" / "store")  # <home> does not exist yet: the store makes it
     store.put_bytes("adapters/acme.job-1/v1/adapter.safetensors", b"weights")
     store.get_file("adapters/acme.job-1/v1/adapter.safetensors", tmp_path / "copy" / "deep" / "adapter")
-    for folder in (tmp_path / "shared" / "home", store.root, store.root / "adapters", store.root / "adapters" / "acme.job-1",
-                   store.root / "adapters" / "acme.job-1" / "v1", tmp_path / "copy", tmp_path / "copy" / "deep"):
+    job = store.root / "adapters" / "acme.job-1"
+    for folder in (tmp_path / "shared" / "home", store.root, job.parent, job, job / "v1", tmp_path / "copy",
+                   tmp_path / "copy" / "deep"):
         assert mode(folder) == 0o700, folder
     for file in (store.path("adapters/acme.job-1/v1/adapter.safetensors"), tmp_path / "copy" / "deep" / "adapter"):
         assert mode(file) == 0o600, file
@@ -53,7 +56,9 @@ def test_the_launcher_keeps_logs_and_run_files_private(tmp_path, monkeypatch):
             log = home / "logs" / f"{name}.log"
             assert mode(log) == 0o600 and log.read_text().endswith("started\n"), log
         assert (home / "logs" / "manager.log").read_text().startswith("an older run\n")  # appended to
-        for secret in ("services.password", "nats.url", "config.json", "default-tenant.token"):
+        for secret in ("services.password", "nats.url", "config.json", "default-tenant.token", "operator.token"):
             assert mode(home / "run" / secret) == 0o600, secret
+        assert operator_token(stack.config) == stack.operator_token  # what the gateway will accept
+        assert len(stack.operator_token) == 48 and stack.operator_token != stack.default_token_file.read_text()
     finally:
         stack.stop()
