@@ -10,11 +10,13 @@ checked in the tenants bucket), as in ``test_hostile_input.py``.
 from __future__ import annotations
 
 import re
+import stat
 
 import httpx
 import pytest
 
 from marlaas.config import load_config
+from marlaas.launcher import Stack
 from marlaas.tenants import add_tenant
 from services.gateway.app import Gateway, create_app
 from services.gateway.metrics import StackMetrics
@@ -106,3 +108,15 @@ def test_the_gateway_reads_the_operator_token_from_config_env_or_file(tmp_path):
     for weak in ("short", "has spaces in the middle of it"):
         with pytest.raises(SystemExit, match="at least 16 characters with no spaces"):
             operator_token(load_config(env={"MARLAAS_HOME": str(home), "MARLAAS_OPERATOR_TOKEN": weak}))
+
+
+def test_a_launched_gateway_takes_the_operator_token_the_launcher_wrote(tmp_path):
+    config = load_config(overrides={"home": str(tmp_path / "home"), "gateway.port": 0}, env={})
+    with Stack(config, services=("manager", "gateway")) as stack:  # no engine: nothing reads /metrics' spans
+        url, token = stack.gateway_url, (stack.run_dir / "operator.token").read_text()
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        assert httpx.get(f"{url}/metrics", headers=bearer(stack.default_token_file.read_text())).status_code == 403
+        answer = httpx.get(f"{url}/metrics", headers=bearer(token))
+        assert answer.status_code == 200 and "marlaas_jobs" in answer.text
+        for name in ("manager", "gateway"):
+            assert stat.S_IMODE((stack.home / "logs" / f"{name}.log").stat().st_mode) == 0o600
