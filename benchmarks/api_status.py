@@ -62,9 +62,9 @@ async def fill(url: str, jobs: int) -> str:
         await bus.close()
 
 
-def timed(client: httpx.Client, path: str) -> tuple[float, httpx.Response]:
+def timed(client: httpx.Client, path: str, headers: dict[str, str] | None = None) -> tuple[float, httpx.Response]:
     start = time.perf_counter()
-    response = client.get(path)
+    response = client.get(path, headers=headers)
     elapsed = time.perf_counter() - start
     response.raise_for_status()
     return elapsed, response
@@ -105,7 +105,8 @@ def main() -> None:
                 for job in rng.choices(ids, k=args.gets):
                     elapsed, response = timed(client, f"/v1/jobs/{job}")
                     gets["queued" if response.json()["state"] == "queued" else "other"].append(elapsed)
-                metrics = [timed(client, "/metrics")[0] for _ in range(5)]
+                operator = {"Authorization": f"Bearer {stack.operator_token}"}  # /metrics is the operator's
+                metrics = [timed(client, "/metrics", operator)[0] for _ in range(5)]
         finally:
             stack.stop()
     table = Table("request", "n", "median ms", "p95 ms", "req/s (serial)", "note",

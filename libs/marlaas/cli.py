@@ -56,10 +56,11 @@ def cmd_up(args, config) -> int:
     if args.json:
         _print_json(info)
     else:
+        operator = info["operator_token_file"] or "gateway.operator_token"
         console.print(f"marlaas is up: gateway {info['gateway_url']}, NATS {info['nats_url']}, "
                       f"store {info['store']}, logs in {stack.home / 'logs'}; tenant default's token "
-                      f"is in {info['default_token_file']}. Crashed services are restarted; "
-                      "Ctrl-C stops it.")
+                      f"is in {info['default_token_file']}, the operator's (/metrics, /openapi.json) in "
+                      f"{operator}. Crashed services are restarted; Ctrl-C stops it.")
     try:
         while True:
             stack.supervise()  # a crashed service comes back; the state it needs is in NATS

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+OPERATOR_TOKEN_FILE = "operator.token"  # under <home>/run: the operator's token for /metrics and the schema
+
 
 class ConfigError(ValueError):
     """A config value is missing, misspelled or of the wrong type."""
@@ -142,6 +144,10 @@ class GatewayConfig(Section):
     # operator only: a job sent over HTTP may name server paths under this directory as its data
     # (dataset, corpus, eval_dataset) instead of uploaded files; "" = never (tenants upload their data)
     allow_server_paths_under: str = ""
+    # the operator's bearer token for /metrics and the API schema (MARLAAS_OPERATOR_TOKEN);
+    # "" = read it from operator_token_file, which "" makes <home>/run/operator.token (`marlaas up` writes it)
+    operator_token: str = ""
+    operator_token_file: str = ""
 
 
 class Config(Section):
@@ -175,6 +181,13 @@ class Config(Section):
         return self.store_url or f"file://{self.home_dir / 'store'}"
 
     @property
+    def operator_token_path(self) -> Path:
+        """The file the gateway reads the operator's token from when ``gateway.operator_token`` is empty."""
+        if self.gateway.operator_token_file:
+            return Path(self.gateway.operator_token_file).expanduser()
+        return self.home_dir / "run" / OPERATOR_TOKEN_FILE
+
+    @property
     def base_model_dir(self) -> Path:
         if self.base_model:
             path = Path(self.base_model).expanduser()
@@ -199,6 +212,7 @@ _ENV = {
     "MARLAAS_LOG_LEVEL": "log_level",
     "MARLAAS_DEVICE": "trainer.device",
     "MARLAAS_SCHEDULE": "manager.schedule",
+    "MARLAAS_OPERATOR_TOKEN": "gateway.operator_token",
 }
 
 

@@ -8,8 +8,10 @@ drains its in-flight work on SIGTERM) and the broker last.
 The embedded broker requires credentials (:mod:`marlaas.natsauth`). Under ``<home>/run``,
 each readable by its owner only: ``services.password`` (new at every start),
 ``nats.url`` (the broker's URL with the services' credentials in it: what the services,
-``marlaas status`` and the test suite connect with) and ``default-tenant.token`` (the token
-of tenant ``default``, made once, for the CLI and the SDK).
+``marlaas status`` and the test suite connect with), ``default-tenant.token`` (the token
+of tenant ``default``, made once, for the CLI and the SDK) and ``operator.token`` (new at
+every start unless the config names the operator's own: the bearer token of the gateway's
+``/metrics`` and API schema, for Prometheus and the operator, never a tenant).
 
 ``nats_cluster=3`` (``marlaas up --nats-cluster 3``) runs the broker as a three-node JetStream
 cluster on loopback (:class:`~marlaas.embedded_nats.EmbeddedNatsCluster`, under
@@ -40,6 +42,7 @@ from marlaas.config import Config, dump_config
 from marlaas.embedded_nats import EmbeddedNats, EmbeddedNatsCluster
 from marlaas.processes import SHUTDOWN_GRACE_S, kill_group, spawn
 from marlaas.sdk import discovery
+from marlaas.store import make_private_dirs
 
 log = structlog.get_logger("marlaas.launcher")
 SERVICES = ("manager", "gateway", "env", "trainer", "rollout")
@@ -120,6 +123,11 @@ class Stack:
     def default_token_file(self) -> Path:
         return self.run_dir / DEFAULT_TOKEN_FILE
 
+    @property
+    def operator_token(self) -> str:
+        """The bearer token of the gateway's ``/metrics`` and API schema (the operator's only)."""
+        return self.config.gateway.operator_token or self.config.operator_token_path.read_text().strip()
+
     def summary(self) -> dict:
         """What ``marlaas up`` prints: addresses (no secrets), the home dir, the token file."""
         token_file = self.default_token_file
@@ -129,14 +137,16 @@ class Stack:
             "home": str(self.home),
             "store": self.resolved.store_url,
             "default_token_file": str(token_file) if token_file.exists() else None,
+            "operator_token_file": None if self.config.gateway.operator_token else str(self.config.operator_token_path),
         }
 
     def start(self, timeout_s: float = 180.0) -> Stack:
         """Start the broker and every service; return once all report ready."""
-        self.home.mkdir(parents=True, exist_ok=True)
-        (self.home / "logs").mkdir(exist_ok=True)
+        make_private_dirs(self.home)  # a new home is 0700; an existing one keeps its mode
         ready_dir = self.run_dir / "ready"
-        ready_dir.mkdir(parents=True, exist_ok=True)
+        for folder in (self.home / "logs", self.run_dir, ready_dir):
+            make_private_dirs(folder)
+            folder.chmod(0o700)  # ours: private also when an older version made it 0755
         for stale in ready_dir.iterdir():
             stale.unlink()
         (self.run_dir / "gateway.url").unlink(missing_ok=True)
@@ -149,6 +159,9 @@ class Stack:
         self.config_path = self.run_dir / "config.json"
         write_private(self.config_path, dump_config(self.resolved).decode())  # holds the password
         write_private(self.run_dir / "nats.url", url)
+        gateway = self.config.gateway
+        if not (gateway.operator_token or gateway.operator_token_file):
+            write_private(self.config.operator_token_path, secrets.token_hex(24))
         try:
             for name in self.services:
                 self._spawn(name)
@@ -217,12 +230,12 @@ class Stack:
         return url
 
     def _spawn(self, name: str) -> None:
-        logfile = open(self.home / "logs" / f"{name}.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.child_env}
-        self.procs[name] = spawn(
-            [sys.executable, "-m", f"services.{service_of(name)}", "--config", str(self.config_path)],
-            stdout=logfile, stderr=subprocess.STDOUT, env=env,
-        )
+        with open_private_log(self.home / "logs" / f"{name}.log") as logfile:  # the child holds its own handle
+            self.procs[name] = spawn(
+                [sys.executable, "-m", f"services.{service_of(name)}", "--config", str(self.config_path)],
+                stdout=logfile, stderr=subprocess.STDOUT, env=env,
+            )
 
     def kill(self, name: str) -> None:
         """SIGKILL one service and everything it started (a crash, for chaos tests); its
@@ -295,6 +308,14 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def open_private_log(path: Path):
+    """``path`` opened for appending, readable by its owner only (0600, also when it existed):
+    a service's log names tenants, jobs and their errors."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
 
 
 def run_coroutine(coroutine):

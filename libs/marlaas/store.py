@@ -7,6 +7,9 @@ server; endpoint and credentials from the arguments or ``MARLAAS_S3_*`` env vars
 
 Every write is immutable: writing the same bytes to an existing key is a no-op,
 writing different bytes is an :class:`ImmutableKeyError`.
+
+A file store holds every tenant's adapters, so it is private to its owner: the folders it
+creates are 0700 (the root, and any missing parents such as ``<home>``) and its files 0600.
 """
 
 from __future__ import annotations
@@ -139,9 +142,21 @@ def _checked_prefix(prefix: str) -> str:
     return prefix
 
 
+def make_private_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents, each readable by its owner only (0700); folders
+    that exist keep their mode (``mkdir -p`` would give the new parents the umask's 0755)."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another writer made it just now
+            folder.mkdir(mode=0o700)
+
+
 def _atomic_write(path: Path, data: bytes, durable: bool = True) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    make_private_dirs(path.parent)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # created 0600
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -160,7 +175,7 @@ class FileStore(ObjectStore):
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root).resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(self.root)
         self.url = f"file://{self.root}"
 
     def path(self, key: str) -> Path:

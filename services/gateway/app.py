@@ -3,20 +3,28 @@
 Stateless: every answer is read from JetStream (or asked of the manager) when the request
 comes, so gateway replicas need no coordination. Every error is ``{"error": "..."}``
 saying what was wrong and what to do; a request a user can get wrong never gets a 500.
+
+``/metrics`` and the schema (``/openapi.json``, Litestar's ``/schema``) are the operator's:
+they take the operator's token, never a tenant's. Litestar's documentation pages (Swagger,
+ReDoc, ...) are not served at all: they load their scripts from CDNs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 from dataclasses import dataclass, field
 
 import msgspec
 import structlog
 from litestar import Litestar, MediaType, Request, Response, Router, get
+from litestar.connection import ASGIConnection
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
+from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import JsonRenderPlugin
 from litestar.openapi.spec import Components, SecurityScheme
 
 from marlaas import api
@@ -29,6 +37,9 @@ from services.gateway.reads import RecordsSnapshot, all_records
 
 log = structlog.get_logger("gateway")
 MANAGER_TIMEOUT_S = 60.0  # a submission may wait for an admission pass (version 0 is written in it)
+API_HELP = "the API is /v1/jobs and the paths under it (the README's 'HTTP API'; the operator has /openapi.json)"
+OPERATOR_TOKEN_HELP = ("send 'Authorization: Bearer <operator token>': `marlaas up` writes it to "
+                       "<home>/run/operator.token; a deployed gateway has it from MARLAAS_OPERATOR_TOKEN")
 
 
 class ApiError(HTTPException):
@@ -45,13 +56,15 @@ def not_found(job: str) -> ApiError:
 
 @dataclass
 class Gateway:
-    """What the request handlers share: the bus, the object store, config and the metrics."""
+    """What the request handlers share: the bus, the object store, config, the metrics and the
+    operator's token ("" = no operator pages for anyone)."""
 
     bus: Bus
     store: ObjectStore
     config: Config
     metrics: StackMetrics
     snapshot: RecordsSnapshot = field(default_factory=RecordsSnapshot)
+    operator_token: str = ""
 
     async def call(self, subject: str, payload: msgspec.Struct, reply_type: type, timeout_s: float = MANAGER_TIMEOUT_S):
         """Ask the manager; a manager that does not answer is a 503 (retry), never a hang."""
@@ -83,6 +96,19 @@ async def authenticated_tenant(request: Request) -> TenantRecord:
     return tenant
 
 
+async def operator_only(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """Guard of the operator's pages: 401 without a bearer token, 403 with any but the operator's."""
+    path = connection.url.path
+    scheme, _, token = connection.headers.get("authorization", "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ApiError(401, f"{path} is for the operator only: {OPERATOR_TOKEN_HELP}",
+                       {"WWW-Authenticate": 'Bearer realm="marlaas-operator"'})
+    expected = connection.app.state.gateway.operator_token
+    if not expected or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        raise ApiError(403, f"{path} is for the operator only, and that is not the operator token (a "
+                            f"tenant's is refused here): {OPERATOR_TOKEN_HELP}")
+
+
 def error_answer(request: Request, exc: Exception) -> Response:
     """Every error as ``{"error": ...}``; the framework's own errors reworded to say what to do."""
     status, headers = 500, None
@@ -94,9 +120,9 @@ def error_answer(request: Request, exc: Exception) -> Response:
             limit = gateway_of(request).config.gateway.max_body_bytes
             message = f"the request body is larger than {limit} bytes (gateway.max_body_bytes): send a smaller job"
         elif isinstance(exc, NotFoundException):
-            message = f"no endpoint {request.method} {request.url.path}: /openapi.json describes the API"
+            message = f"no endpoint {request.method} {request.url.path}: {API_HELP}"
         elif status == 405:
-            message = f"{request.method} is not allowed on {request.url.path}: /openapi.json describes the API"
+            message = f"{request.method} is not allowed on {request.url.path}: {API_HELP}"
         elif isinstance(exc, ValidationException):
             message = f"{exc.detail}: {exc.extra}" if exc.extra else str(exc.detail)
     else:
@@ -124,16 +150,17 @@ async def readyz(request: Request) -> Response:
     return Response({"ok": True}, status_code=200)
 
 
-@get("/metrics", include_in_schema=False, media_type="text/plain; version=0.0.4")
+@get("/metrics", include_in_schema=False, media_type="text/plain; version=0.0.4", guards=[operator_only])
 async def metrics(request: Request) -> bytes:
-    """Prometheus text exposition (no tenant or job labels)."""
+    """Prometheus text exposition (no tenant or job labels), for the operator."""
     gateway = gateway_of(request)
     return gateway.metrics.render(await all_records(gateway.bus))  # fresh: scrapes are seconds apart
 
 
-@get("/openapi.json", include_in_schema=False)
+@get("/openapi.json", include_in_schema=False, guards=[operator_only])
 async def openapi_json(request: Request) -> dict:
-    """The OpenAPI schema of the API, with the job body (read raw, so the framework cannot see it)."""
+    """The OpenAPI schema of the API, with the job body (read raw, so the framework cannot see it),
+    for the operator."""
     schema = request.app.openapi_schema.to_schema()
     (job,), components = msgspec.json.schema_components([api.SubmitRequest],
                                                         ref_template="#/components/schemas/{name}")
@@ -157,10 +184,14 @@ def create_app(gateway: Gateway) -> Litestar:
         exception_handlers={Exception: error_answer},
         request_max_body_size=gateway.config.gateway.max_body_bytes,
         openapi_config=OpenAPIConfig(
-            title="marlaas", version="1", path="/schema",
+            title="marlaas", version="1",
             description="Multi-tenant asynchronous RL for LLMs: upload data, submit jobs, follow them, download "
                         "adapters.",
             components=Components(security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer")}),
+            # Litestar always mounts /schema (its JSON, a 404 page for the rest): the operator's too;
+            # only the JSON renderer, as the documentation pages' scripts come from CDNs
+            render_plugins=[JsonRenderPlugin()],
+            openapi_router=Router("/schema", route_handlers=[], guards=[operator_only]),
         ),
         debug=False,
     )

@@ -1,10 +1,12 @@
 """A job's server-sent events: its committed versions, state changes and held-out scores, live.
 
 Two JetStream ordered consumers, one per stream (POLICY ``marlaas.policy.committed.<job>``
-and JOBS ``marlaas.job.*.<job>``), feed one queue. Each event's id is
-``<policy_seq>-<jobs_seq>``: the stream sequence of the last message taken from each
-stream when the event was sent. Resuming from an id starts each consumer just past its
-half, so nothing is lost or repeated whatever the interleaving was.
+and JOBS ``marlaas.job.*.<job>``), feed one queue. Each event's id is ``<policy_n>-<jobs_n>``:
+how many of the job's own messages had been taken from each stream when the event was sent.
+Stream sequence numbers would not do: they count every tenant's messages, so the gaps
+between a job's ids would show how busy the others are. Resuming from an id replays the
+job's messages from the start and skips that many of each stream's, so nothing is lost or
+repeated whatever the interleaving was: a job's messages are only removed with the job.
 
 The stream ends once the job is finished and every event of it is sent: its final state,
 its last version, and (for a completed job that evaluates) its last version's score,
@@ -39,13 +41,13 @@ class BadEventId(ValueError):
 
 
 def parse_event_id(raw: str | None) -> tuple[int, int]:
-    """(policy_seq, jobs_seq) from ``<policy_seq>-<jobs_seq>``; (0, 0) = from the start."""
+    """(policy_n, jobs_n) from ``<policy_n>-<jobs_n>``; (0, 0) = from the start."""
     if not raw:
         return 0, 0
     found = _EVENT_ID.fullmatch(raw.strip())
     if not found:
         raise BadEventId(f"Last-Event-ID {raw!r} is not an id this API sent: give the id of the last event "
-                         "you received ('<policy_seq>-<jobs_seq>', e.g. '12-40'), or none to start over")
+                         "you received ('<n>-<m>', e.g. '4-2'), or none to start over")
     return int(found[1]), int(found[2])
 
 
@@ -84,22 +86,23 @@ async def end_positions(bus: Bus, tenant: str, job: str) -> tuple[int, int] | No
     return await last_sequence(bus, "POLICY", policy_subject(job)), jobs_end
 
 
-async def _follow(bus: Bus, stream: str, subject: str, after_seq: int, queue: asyncio.Queue):
-    config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after_seq + 1) \
-        if after_seq else ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
-
+async def _follow(bus: Bus, stream: str, subject: str, queue: asyncio.Queue):
     async def put(msg) -> None:
         queue.put_nowait((stream, msg))
 
-    return await bus.js.subscribe(subject, stream=stream, cb=put, ordered_consumer=True, config=config)
+    return await bus.js.subscribe(subject, stream=stream, cb=put, ordered_consumer=True,
+                                  config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
 
 
 async def job_events(bus: Bus, tenant: str, job: str, start: tuple[int, int]) -> AsyncIterator[bytes]:
-    """The job's events after ``start`` as SSE bytes, live, until the job's last event."""
+    """The job's events after ``start`` (an id parsed by :func:`parse_event_id`) as SSE bytes,
+    live, until the job's last event."""
     queue: asyncio.Queue = asyncio.Queue()
-    policy_seq, jobs_seq = start
-    subs = [await _follow(bus, "POLICY", policy_subject(job), policy_seq, queue),
-            await _follow(bus, "JOBS", f"marlaas.job.*.{job}", jobs_seq, queue)]
+    subs = [await _follow(bus, "POLICY", policy_subject(job), queue),
+            await _follow(bus, "JOBS", f"marlaas.job.*.{job}", queue)]
+    seen = dict(zip(("POLICY", "JOBS"), start))  # the client has these many of each stream's
+    taken = {"POLICY": 0, "JOBS": 0}  # the job's messages taken from each stream: the event ids
+    policy_seq = jobs_seq = 0  # stream sequences, only ever compared with where the job ends
     try:
         yield b"retry: 2000\n\n"
         end = await end_positions(bus, tenant, job)
@@ -118,6 +121,9 @@ async def job_events(bus: Bus, tenant: str, job: str, start: tuple[int, int]) ->
                 policy_seq = seq
             else:
                 jobs_seq = seq
+            taken[stream] += 1
+            if taken[stream] <= seen[stream]:  # sent before the client resumed
+                continue
             try:
                 event = (POLICY if stream == "POLICY" else JOB).decode(msg.data)
             except EventDecodeError as exc:  # one bad message never ends a tenant's stream
@@ -128,7 +134,7 @@ async def job_events(bus: Bus, tenant: str, job: str, start: tuple[int, int]) ->
             shown = public_data(event)
             if shown is not None:
                 idle_since = time.monotonic()
-                yield sse(f"{policy_seq}-{jobs_seq}", *shown)
+                yield sse(f"{taken['POLICY']}-{taken['JOBS']}", *shown)
     finally:
         for sub in subs:
             with contextlib.suppress(Exception):

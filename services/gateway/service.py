@@ -1,8 +1,9 @@
 """Gateway shell: serve the HTTP API with uvicorn inside the service's event loop until stopped.
 
-It binds its socket first (port 0 picks a free one), writes its URL to
-``<home>/run/gateway.url`` once listening, then reports ready. SIGINT/SIGTERM (the
-runtime's ``stop``) make uvicorn finish the requests in flight and close.
+It reads the operator's token (``/metrics``, the schema) and binds its socket first (port 0
+picks a free one), writes its URL to ``<home>/run/gateway.url`` once listening, then
+reports ready. SIGINT/SIGTERM (the runtime's ``stop``) make uvicorn finish the requests in
+flight and close.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import socket
 import structlog
 import uvicorn
 
+from marlaas.config import Config
 from marlaas.runtime import Runtime
 from services.gateway.app import Gateway, create_app
 from services.gateway.metrics import StackMetrics
 
 log = structlog.get_logger("gateway")
 SHUTDOWN_GRACE_S = 5.0  # open event streams are cut after this
+MIN_OPERATOR_TOKEN_CHARS = 16
 
 
 class _Server(uvicorn.Server):
@@ -49,6 +52,24 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def operator_token(config: Config) -> str:
+    """The operator's token: ``gateway.operator_token`` (MARLAAS_OPERATOR_TOKEN), else the file
+    ``gateway.operator_token_file`` (by default ``<home>/run/operator.token``, which the launcher writes)."""
+    token = config.gateway.operator_token
+    if not token:
+        path = config.operator_token_path
+        try:
+            token = path.read_text().strip()
+        except FileNotFoundError:
+            raise SystemExit(f"gateway: no operator token (for /metrics and the API schema): {path} does not "
+                             "exist; set MARLAAS_OPERATOR_TOKEN, or gateway.operator_token_file to a file "
+                             "holding it (`marlaas up` writes one)") from None
+    if len(token) < MIN_OPERATOR_TOKEN_CHARS or any(c.isspace() for c in token):
+        raise SystemExit(f"gateway: the operator token must be at least {MIN_OPERATOR_TOKEN_CHARS} characters "
+                         "with no spaces: make one with `openssl rand -hex 24`")
+    return token
+
+
 def url_of(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -63,7 +84,7 @@ async def run(rt: Runtime) -> None:
     """Serve until ``rt.stop``; the URL file goes away with the server."""
     cfg = rt.config.gateway
     metrics = StackMetrics()
-    app = create_app(Gateway(rt.bus, rt.store, rt.config, metrics))
+    app = create_app(Gateway(rt.bus, rt.store, rt.config, metrics, operator_token=operator_token(rt.config)))
     sock = bind(cfg.host, cfg.port)
     server = _Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
                                     timeout_graceful_shutdown=SHUTDOWN_GRACE_S))

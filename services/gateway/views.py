@@ -175,9 +175,9 @@ async def download_adapter(request: Request, tenant: TenantRecord, job: str,
 
 
 @get("/jobs/{job:str}/events", summary="Server-sent events of the job, live and resumable",
-     description="Events policy.committed, job.state and job.eval, each with an id '<policy_seq>-<jobs_seq>'; "
-                 "send it back as Last-Event-ID (or ?last_event_id=) to resume. The stream ends after "
-                 "the job's final state and last version.")
+     description="Events policy.committed, job.state and job.eval, each with an id '<n>-<m>' (counts of "
+                 "the job's own messages); send it back as Last-Event-ID (or ?last_event_id=) to resume. "
+                 "The stream ends after the job's final state and last version.")
 async def stream_events(request: Request, tenant: TenantRecord, job: str,
                         last_event_id: str | None = None) -> Stream:
     await owned(request, tenant, job)

@@ -91,7 +91,11 @@ def finished_job(alice) -> str:
 
 
 def http(url: str, token: str | None = None) -> httpx.Client:
-    return httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {token}"} if token else {})
+    return httpx.Client(base_url=url, timeout=60, headers=bearer(token) if token else {})
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
 
 
 def wait_finished(client: Client, job: str, timeout_s: float = 240.0):
@@ -168,8 +172,8 @@ def test_bad_submissions_get_a_clear_4xx_and_create_nothing(stack, url, tokens):
             message = answer.json()["error"]
             assert all(part in message for part in says), shown
         for method, path, status, says in [
-            ("GET", "/v1/nothing-here", 404, ["no endpoint", "/openapi.json"]),
-            ("PUT", "/v1/jobs", 405, ["not allowed", "/openapi.json"]),
+            ("GET", "/v1/nothing-here", 404, ["no endpoint", "/v1/jobs", "HTTP API"]),
+            ("PUT", "/v1/jobs", 405, ["not allowed", "/v1/jobs", "HTTP API"]),
             ("GET", "/v1/jobs/alice..bad", 404, ["no job", "GET /v1/jobs"]),
         ]:
             answer = client.request(method, path)
@@ -177,10 +181,12 @@ def test_bad_submissions_get_a_clear_4xx_and_create_nothing(stack, url, tokens):
     assert system_state(stack) == before
 
 
-def test_health_readiness_and_the_schema_need_no_token(url):
+def test_health_and_readiness_need_no_token_and_the_schema_the_operators(stack, url, tokens):
     assert httpx.get(f"{url}/healthz").json() == {"ok": True}
     assert httpx.get(f"{url}/readyz").json() == {"ok": True}
-    schema = httpx.get(f"{url}/openapi.json").json()
+    assert httpx.get(f"{url}/openapi.json").status_code == 401
+    assert httpx.get(f"{url}/openapi.json", headers=bearer(tokens["alice"])).status_code == 403
+    schema = httpx.get(f"{url}/openapi.json", headers=bearer(stack.operator_token)).json()
     assert {"/v1/jobs", "/v1/jobs/{job}", "/v1/jobs/{job}/events", "/v1/jobs/{job}/adapter",
             "/v1/jobs/{job}/versions/{version}/pin"} <= set(schema["paths"])
     assert schema["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["application/toml"]
@@ -252,7 +258,8 @@ def test_a_job_end_to_end_events_resume_versions_pin_and_adapter(stack, url, tok
             assert all(part in answer.json()["error"] for part in says), answer.text
     assert alice.job(job).pinned == [0, 2]
 
-    text = httpx.get(f"{url}/metrics").text
+    assert httpx.get(f"{url}/metrics", headers=bearer(tokens["alice"])).status_code == 403  # the operator's only
+    text = httpx.get(f"{url}/metrics", headers=bearer(stack.operator_token)).text
     figures = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     assert float(figures['marlaas_jobs{state="completed"}']) >= 1 and float(figures["marlaas_ttfs_seconds_count"]) >= 1
     assert "marlaas_engine_busy_seconds_total" in text and "marlaas_tpts_seconds_bucket" in text
@@ -347,7 +354,7 @@ def test_quota_and_queue_position(stack, url, bob, alice):
     assert info.state == "queued" and info.queue_position == 1
     assert next(j for j in alice.jobs() if j.id == waiting).queue_position == 1
     assert bob.job(running).queue_position is None
-    text = httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{url}/metrics", headers=bearer(stack.operator_token)).text
     assert "marlaas_queue_length 1.0" in text and 'marlaas_jobs{state="queued"} 1.0' in text
 
     assert bob.cancel(running) == "cancelled"

@@ -24,7 +24,8 @@ MARLAAS_SERVICES = ("manager", "rollout", "env", "trainer")
 WORKERS = ("rollout", "env", "trainer")  # scaled with replicas
 NATS_NODES = ("nats-1", "nats-2", "nats-3")  # profile `ha`: the cluster
 HA_SERVICES = ("manager", "rollout", "env", "trainer", "gateway")  # each has a `<name>-ha` twin
-COMPOSE_ENV = {"MARLAAS_NATS_PASSWORD": "test-password"}  # what an operator must set
+COMPOSE_ENV = {"MARLAAS_NATS_PASSWORD": "test-password",  # what an operator must set
+               "MARLAAS_OPERATOR_TOKEN": "test-operator-token-0123456789"}
 VARIABLE = re.compile(r"\$\$|\$\{(?P<name>\w+)(?:(?P<op>:[-?])(?P<arg>[^}]*))?\}")
 
 
@@ -278,6 +279,20 @@ def test_the_broker_includes_the_auth_file_that_init_writes_and_admin_renders(co
     assert parser.parse_args(init_words).fn.__name__ == "cmd_init_auth"
     for words in (["tenant", "add", "acme"], ["tenant", "revoke", "acme"], ["tenant", "sync"]):
         parser.parse_args(words)
+
+
+def test_the_gateway_needs_an_operator_token_and_the_header_says_how_prometheus_sends_it(raw_compose, services):
+    from services.gateway.service import operator_token
+
+    for name in ("gateway", "gateway-ha"):
+        env = services[name]["environment"]
+        assert operator_token(load_config(env=env)) == COMPOSE_ENV["MARLAAS_OPERATOR_TOKEN"], name
+        assert "MARLAAS_NATS_URL" in env and "MARLAAS_STORE_URL" in env  # the services' env, and the token
+    assert not any("MARLAAS_OPERATOR_TOKEN" in services[n].get("environment", {}) for n in MARLAAS_SERVICES)
+    with pytest.raises(KeyError, match="MARLAAS_OPERATOR_TOKEN must be set"):
+        interpolate(raw_compose, {"MARLAAS_NATS_PASSWORD": "test-password"})
+    header = (ROOT / "docker-compose.yml").read_text().split("\nname:")[0]
+    assert "credentials_file" in header and "bearer_token_file" in header and "Bearer" in header
 
 
 def test_the_header_says_how_to_add_a_tenant():
