@@ -36,18 +36,15 @@ def started_by_the_suite(since: float) -> list:
 
 
 def pytest_collection_modifyitems(items):
-    """Longest first: files with `slow` tests, then those that start a `stack`, then the rest;
-    within each, the file whose test may run longest (its `timeout` mark) first. Under
-    ``-n 2 --dist loadfile`` the workers take files in this order, so the long ones start early
-    and the many short ones fill in beside them."""
-    def weight(item) -> tuple[int, float]:
-        tier = 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("stack") else 2
-        timeout = item.get_closest_marker("timeout")
-        return tier, -(timeout.args[0] if timeout and timeout.args else 0)
+    """Longest first: `slow` files, then those that start a `stack`, then the rest (stable within
+    each). Under ``-n 2 --dist loadfile`` the workers take files in this order, so the long ones
+    start early and the many short ones fill in beside them."""
+    def weight(item) -> int:
+        return 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("stack") else 2
 
     files: dict = {}  # path -> (its heaviest test's weight, the order it was collected in)
     for item in items:
-        heaviest, order = files.get(item.path, ((3, 0.0), len(files)))
+        heaviest, order = files.get(item.path, (2, len(files)))
         files[item.path] = (min(heaviest, weight(item)), order)
     items.sort(key=lambda item: files[item.path])  # whole files move: a module's tests stay together
 

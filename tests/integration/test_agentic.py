@@ -59,7 +59,6 @@ async def catch_batches(url: str, job: str, into: list, stop: asyncio.Event) -> 
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.slow  # minutes of real stack: its file goes out first
 def test_the_agentic_task_learns_to_use_its_tool_next_to_a_single_turn_job(stack):
     async def go():
         client = await Client.connect(stack.nats_url)

@@ -31,7 +31,6 @@ def marlaas(*args: str, timeout: float) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(600)
 @pytest.mark.stack
-@pytest.mark.slow  # minutes of real stack: its file goes out first
 def test_sync_rounds_and_single_lora_measured_side_by_side(tmp_path):
     workload = tmp_path / "two.toml"
     workload.write_text(WORKLOAD)

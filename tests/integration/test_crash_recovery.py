@@ -35,7 +35,6 @@ async def announced_versions(url: str, job: str) -> list[int]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.slow  # minutes of real stack: its file goes out first
 def test_killed_trainer_and_rollout_lose_nothing_and_repeat_nothing(tmp_path):
     config = load_config(overrides={"home": str(tmp_path), "gateway.port": 0}, env={})
     with Stack(config) as stack:

@@ -41,7 +41,6 @@ def gone(pids: list[int], timeout_s: float = 60) -> bool:
 
 @pytest.mark.timeout(400)
 @pytest.mark.stack
-@pytest.mark.slow  # minutes of real stack: its file goes out first
 def test_a_killed_rollout_takes_its_engine_core_with_it(tmp_path):
     config = load_config(overrides={"home": str(tmp_path), "gateway.port": 0}, env={})
     with Stack(config, services=("manager", "env", "trainer", "rollout")) as stack:

@@ -27,7 +27,6 @@ def pids(spans, phase: str) -> set[int]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.slow  # minutes of real stack: its file goes out first
 def test_replicas_share_the_work_and_survive_a_killed_rollout(tmp_path):
     config = load_config(overrides={"home": str(tmp_path), "gateway.port": 0}, env={})
     stack = Stack(config, replicas={"rollout": 2, "trainer": 2, "env": 2})

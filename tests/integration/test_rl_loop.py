@@ -74,7 +74,6 @@ def overlaps(a, b) -> bool:
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.slow  # minutes of real stack: its file goes out first
 def test_three_concurrent_jobs_learn_on_policy_with_overlap(stack):
     async def submit_and_wait():
         client = await Client.connect(stack.nats_url)
