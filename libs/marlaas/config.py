@@ -141,6 +141,7 @@ class GatewayConfig(Section):
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8470  # 0 = any free port (tests)
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1 << 20  # a job spec is a few hundred bytes
     max_file_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 64 << 20  # one uploaded data file (POST /v1/files)
+    max_files: Annotated[int, msgspec.Meta(ge=1)] = 64  # a tenant's uploaded files at once: bounds its share of the disk
     # operator only: a job sent over HTTP may name server paths under this directory as its data
     # (dataset, corpus, eval_dataset) instead of uploaded files; "" = never (tenants upload their data)
     allow_server_paths_under: str = ""

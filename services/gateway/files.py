@@ -11,7 +11,7 @@ import asyncio
 
 from litestar import Request, delete, get, post
 
-from marlaas.files import FileRefused, delete_file, list_files, put_file, too_big
+from marlaas.files import FileRefused, delete_file, file_id_of, list_files, put_file, too_big
 from marlaas.sdk.schema import FileDeleted, FileInfo
 from marlaas.tenants import TenantRecord
 from services.gateway.app import ApiError, gateway_of
@@ -45,6 +45,11 @@ async def upload_file(request: Request, tenant: TenantRecord, name: str = "") ->
     gateway = gateway_of(request)
     limit = gateway.config.gateway.max_file_bytes
     data = await read_upload(request, limit)
+    files = await asyncio.to_thread(list_files, gateway.store, tenant.name)
+    cap = gateway.config.gateway.max_files
+    if len(files) >= cap and file_id_of(data) not in {f.id for f in files}:
+        raise ApiError(429, f"you already have {cap} files (gateway.max_files): delete one you no longer "
+                            "need (DELETE /v1/files/{id}; GET /v1/files lists them), then upload again")
     try:
         return await asyncio.to_thread(put_file, gateway.store, tenant.name, data, name, limit)
     except FileRefused as exc:

@@ -39,7 +39,8 @@ GSM8K = {"task": "gsm8k", "steps": 2, "grpo": {"prompts_per_step": 2, "group_siz
 
 @pytest.fixture
 def config(tmp_path):
-    return load_config(overrides={"home": str(tmp_path / "home"), "gateway.max_file_bytes": 4096}, env={})
+    return load_config(overrides={"home": str(tmp_path / "home"), "gateway.max_file_bytes": 4096,
+                                      "gateway.max_files": 3}, env={})
 
 
 @pytest.fixture
@@ -234,3 +235,15 @@ async def test_the_services_read_an_uploaded_file_from_the_store_for_its_tenant_
         files.task("alice", "gsm8k", bad.id)
     assert bad.id in str(caught.value) and str(tmp_path) not in str(caught.value)  # the id, never the cache path
     msgspec.json.encode(record)  # a FileInfo is what the gateway answers
+
+
+async def test_a_tenant_keeps_at_most_max_files_and_others_are_not_held_back(tenants):
+    alice, bob = tenants["alice"], tenants["bob"]
+    kept = [(await upload(alice, f'{{"i": {i}}}\n'.encode())).json()["id"] for i in range(3)]
+    refused = await upload(alice, b'{"i": 3}\n')
+    assert refused.status_code == 429 and "gateway.max_files" in refused.json()["error"]
+    assert [f["id"] for f in (await alice.get("/v1/files")).json()] == kept  # nothing half-created
+    assert (await upload(alice, b'{"i": 0}\n')).status_code == 201  # the same bytes again: no new file
+    assert (await upload(bob, b'{"i": 3}\n')).status_code == 201  # another tenant's quota is its own
+    await alice.delete(f"/v1/files/{kept[0]}")
+    assert (await upload(alice, b'{"i": 3}\n')).status_code == 201
