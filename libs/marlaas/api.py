@@ -112,6 +112,7 @@ class JobView(msgspec.Struct, kw_only=True):
     tools: list[str] = []
     metrics: dict[str, list[float]] = {}  # agentic jobs: tool/* and episode/* figures per version
     evals: list[EvalPoint] = []  # held-out greedy scores: [{"version", "score"}]
+    warnings: dict[str, str] = {}  # e.g. {"tool acme.weather": "has not answered since ..."}
 
 
 def job_view(record: JobRecord) -> JobView:
@@ -120,7 +121,7 @@ def job_view(record: JobRecord) -> JobView:
                    state=record.state.value, reason=record.reason, version=record.version,
                    steps=record.steps_done, target_steps=spec.steps, rewards=record.rewards,
                    ttfs_s=record.ttfs_s, tpts_s=record.tpts_s, tools=list(spec.tools), metrics=record.metrics,
-                   evals=record.evals)
+                   evals=record.evals, warnings=record.warnings)
 
 
 class StatusReply(msgspec.Struct, kw_only=True):

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
 from marlaas.events import (
-    COMMITTED, JOB_RECORD, CommittedVersion, JobFailureReported, JobRecord, PolicyCommitted, encode,
+    COMMITTED,
+    JOB_RECORD,
+    CommittedVersion,
+    JobFailureReported,
+    JobRecord,
+    JobWarningReported,
+    PolicyCommitted,
+    encode,
 )
 
 
@@ -43,6 +51,12 @@ async def read_job(bus: Bus, job: str) -> JobSnapshot | None:
     if record is None or committed is None:
         return None
     return JobSnapshot(JOB_RECORD.decode(record.value), COMMITTED.decode(committed.value), committed.revision)
+
+
+async def report_warning(bus: Bus, job: str, service: str, key: str, warning: str) -> None:
+    """Show ``warning`` in ``job``'s status under ``key`` (an empty one clears it)."""
+    event = JobWarningReported(job=job, service=service, key=key, warning=warning, at=time.time())
+    await bus.publish(f"marlaas.job.warning.{job}", encode(event))
 
 
 async def report_failure(bus: Bus, job: str, service: str, reason: str, version: int = -1) -> None:

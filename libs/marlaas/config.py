@@ -59,6 +59,9 @@ class RolloutConfig(Section):
     # an announcement held by a replica that died is sampled again after this long (JetStream's
     # AckWait); a live replica sends a heartbeat every 5 s while it samples, so it never loses one
     ack_wait_s: Annotated[float, msgspec.Meta(ge=15)] = 20.0
+    # a job's tool or reward that has answered none of its requests for this long fails the job
+    # with that reason (a warning in its status names it from the first unanswered request)
+    give_up_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
 
 
 class TrainerConfig(Section):

@@ -30,8 +30,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from marlaas.natsauth import write_private
+import structlog
+
+from marlaas.natsauth import PLATFORM_ACCOUNT, write_private
 from marlaas.processes import spawn
+
+log = structlog.get_logger("marlaas.nats")
 
 READY = b"Server is ready"
 META_LEADER = b"metadata leader"  # "Self is new ... metadata leader" or "... new metadata leader: n2"
@@ -85,6 +89,20 @@ class ClusterMembership:
     route_password: str
 
 
+def _move_global_account_data(store: Path) -> None:
+    """Carry JetStream data of a home made before tenants had accounts of their own.
+
+    Streams used to live in the server's global account (``$G``); with auth on they now live
+    in ``PLATFORM``'s. A single server keeps an account's data in a folder of its name, so a
+    home with ``$G`` data and no ``PLATFORM`` data gets the folder renamed (a cluster's streams
+    are also named in its replicated metadata, so a cluster is left as it is).
+    """
+    old, new = store / "jetstream" / "$G", store / "jetstream" / PLATFORM_ACCOUNT
+    if old.is_dir() and not new.exists():
+        log.info("moving JetStream data to the platform's account", src=str(old), dst=str(new))
+        old.rename(new)
+
+
 class EmbeddedNats:
     """A nats-server child process with JetStream under ``data_dir``; restartable on the same port.
 
@@ -130,6 +148,8 @@ class EmbeddedNats:
         if self.cluster is not None:
             text += _cluster_block(self.cluster)
         if self.auth:
+            if self.cluster is None:
+                _move_global_account_data(store)
             if not self.auth_file.exists():
                 raise FileNotFoundError(f"{self.auth_file} is missing: write it before starting "
                                         "(marlaas.natsauth.write_auth_conf)")
@@ -183,13 +203,14 @@ class EmbeddedNats:
     def reload(self, timeout_s: float = 10.0) -> None:
         """Make the server re-read its config (and ``auth.conf``) without restarting; return
         once it has (new users can connect, removed ones are cut off)."""
-        from marlaas.natsauth import wait_for_reload
+        from marlaas.natsauth import RELOADS, wait_for_reload
 
         if self.proc is None or self.proc.poll() is not None:
             raise RuntimeError("nats-server is not running")
-        offset = self.log_file.stat().st_size
-        self.proc.send_signal(signal.SIGHUP)
-        wait_for_reload(self.log_file, offset, timeout_s)
+        for _ in range(RELOADS):  # see natsauth.RELOADS
+            offset = self.log_file.stat().st_size
+            self.proc.send_signal(signal.SIGHUP)
+            wait_for_reload(self.log_file, offset, timeout_s)
 
     def stop(self, kill: bool = False) -> None:
         if self.proc is None or self.proc.poll() is not None:

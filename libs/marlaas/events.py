@@ -130,6 +130,17 @@ class JobFailureReported(Event, tag="job.failure"):
     version: int = -1
 
 
+class JobWarningReported(Event, tag="job.warning"):
+    """Something the job depends on misbehaves (a tool or reward that stopped answering): shown in
+    the job's status under ``key`` until a report with an empty ``warning`` clears it."""
+
+    job: str
+    service: str
+    key: str
+    warning: str = ""
+    at: float = 0.0
+
+
 class JobEvaluated(Event, tag="job.eval"):
     """Version ``version`` scored greedily on the job's held-out set (mean reward in [0, 1])."""
 
@@ -140,7 +151,7 @@ class JobEvaluated(Event, tag="job.eval"):
     at: float = 0.0
 
 
-JobEvent = JobSubmitted | JobStateChanged | JobFailureReported | JobEvaluated
+JobEvent = JobSubmitted | JobStateChanged | JobFailureReported | JobWarningReported | JobEvaluated
 
 
 # --- POLICY stream: marlaas.policy.committed.<job> ----------------------------------------
@@ -318,6 +329,7 @@ class JobRecord(Wire):
     metrics: dict[str, list[float]] = {}  # per version, like rewards: the agent's tool/* and episode/* figures
     evals: list[EvalPoint] = []  # held-out scores, by version
     pinned: list[int] = []  # versions the tenant pinned: garbage collection keeps their adapters
+    warnings: dict[str, str] = {}  # what the job depends on and misbehaves now, by what it is
     kv_cache_bytes: int = 0
     admitted_at: float = 0.0
     first_commit_at: float = 0.0  # version 1, i.e. the first trained update

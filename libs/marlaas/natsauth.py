@@ -1,23 +1,36 @@
 """Who may do what on the broker: the ``auth.conf`` that nats-server includes, rendered from tenants.
 
-One NATS account, two kinds of users:
+One NATS **account** per tenant, the broker's own multi-tenancy, and one for the platform:
 
-- ``services``: every subject. The manager, rollout, env, trainer and gateway connect as it,
-  and so do the operator's tools (``marlaas tenant``, ``status``, the test suite).
-- one user per active tenant, named after it, whose password is the tenant's API token.
-  The file holds only the token's bcrypt hash (nats-server checks ``$2a$`` passwords itself).
-  What that user may do is :func:`tenant_permissions`: serve its own tools and rewards,
-  announce its tools in the registry, hear its own jobs' events live, replay them through
-  the one durable consumer per stream the platform made for it (:func:`replay_consumers`),
-  and read replies on its own inbox prefix ``_INBOX_<tenant>`` (clients must set nats-py's
-  ``inbox_prefix``). Never ``_INBOX.>`` (every reply in the account), never consumer
-  creation (the server does not check a push consumer's ``deliver_subject`` against its
-  creator's permissions), never DIRECT.GET / STREAM.MSG.GET (any stored message), nothing
-  on TRAJ, no publish on a service subject.
+- ``PLATFORM`` holds JetStream (every stream and KV bucket) and the ``services`` user, as which
+  the manager, rollout, env, trainer and gateway connect, and so do the operator's tools
+  (``marlaas tenant``, ``status``, the test suite).
+- each active tenant is an account of its own name with one user, also of its name, whose
+  password is the tenant's API token (the file holds only its bcrypt hash). A subject in a
+  tenant's account is a different subject from the same name in any other account: what a
+  tenant publishes, subscribes to or sets as a reply subject stays in its account unless an
+  import or export below carries it across. So a reply subject of ``$KV.jobs.<id>`` lands in
+  the tenant's own account, where there is no JetStream to store it.
+
+What crosses, and only for the tenant's own name (the platform exports each subject with
+``account_token_position``, so an account can import only the subjects that carry its own
+name in that token):
+
+- stream imports: ``marlaas.policy.committed.<t>.>`` and ``marlaas.job.*.<t>.>``, its jobs'
+  events live (durable replay is the gateway's resumable SSE, ``Last-Event-ID``);
+- a service import: ``marlaas.registry.<t>.announce``, through which the tenant's tool
+  processes announce their tools (the platform writes the ``tools`` KV bucket; a tenant never
+  touches JetStream);
+- service exports of the tenant, imported by the platform: ``marlaas.tool.<t>.>`` and
+  ``marlaas.reward.<t>.>``, the tools and rewards it serves.
+
+Inside its account a tenant's user still has an allow list (:func:`tenant_permissions`), as
+defence in depth and so that a client's mistake is reported rather than silently unheard.
 
 The ``tenants`` KV bucket is the source of truth; this module only renders it. A new file
 is validated with ``nats-server -t`` before it replaces the old one, and a SIGHUP makes the
-server reload it without a restart: new users connect at once, removed users are cut off.
+server reload it without a restart: a new account and its imports are live at once, a
+removed one's connections are cut off.
 """
 
 from __future__ import annotations
@@ -33,17 +46,29 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 import bcrypt
 
 SERVICES_USER = "services"
+PLATFORM_ACCOUNT = "PLATFORM"
 AUTH_FILE = "auth.conf"
 # The token is a 128-bit random secret, so the work factor is not what protects it; the hash
 # only keeps tokens out of the file. A low cost matters because nats-server re-checks every
 # connected client's password on each reload, and each connect costs one check.
 BCRYPT_ROUNDS = 6
-# (stream, durable consumer name prefix, filter): the replay a tenant may read, one per stream.
-REPLAY_STREAMS = (
-    ("JOBS", "marlaas.job.*.{tenant}.>"),
-    ("POLICY", "marlaas.policy.committed.{tenant}.>"),
+# What the platform exports per tenant: (kind, subject with '*' where the tenant goes, its position).
+PLATFORM_EXPORTS = (
+    ("stream", "marlaas.policy.committed.*.>", 4),
+    ("stream", "marlaas.job.*.*.>", 4),
+    ("service", "marlaas.registry.*.announce", 3),
 )
-TOOLS_KV_STREAM = "KV_tools"
+# A tenant account's broker quotas: connections (tool replicas), subscriptions (tools, rewards,
+# event listeners) and the largest message it may publish (a tool's result; the SDK caps its
+# output far below this). The platform's own messages are not bound by these.
+TENANT_LIMITS = {"max_connections": 64, "max_subscriptions": 4096, "max_payload": 1024 * 1024}
+# What a tenant exports to the platform (its own name in the subject).
+TENANT_EXPORTS = ("marlaas.tool.{tenant}.>", "marlaas.reward.{tenant}.>")
+
+
+def registry_subject(tenant: str) -> str:
+    """Where ``tenant``'s tool processes send their announcements (a platform service)."""
+    return f"marlaas.registry.{tenant}.announce"
 
 
 class AuthConfigError(RuntimeError):
@@ -64,21 +89,6 @@ def inbox_prefix(tenant: str) -> str:
 
 
 @dataclass(frozen=True)
-class ReplayConsumer:
-    """A durable pull consumer the platform keeps for one tenant on one stream."""
-
-    stream: str
-    name: str
-    filter_subject: str
-
-
-def replay_consumers(tenant: str) -> tuple[ReplayConsumer, ...]:
-    """The consumers through which ``tenant`` replays its own jobs' events (``events-<tenant>``)."""
-    return tuple(ReplayConsumer(stream, f"events-{tenant}", pattern.format(tenant=tenant))
-                 for stream, pattern in REPLAY_STREAMS)
-
-
-@dataclass(frozen=True)
 class Permissions:
     """A NATS user's allow lists (everything else is denied)."""
 
@@ -88,26 +98,16 @@ class Permissions:
 
 
 def tenant_permissions(tenant: str) -> Permissions:
-    """What a tenant's user may publish and subscribe to (see the module docstring)."""
-    replay = replay_consumers(tenant)
-    publish = [
-        f"$KV.tools.{tenant}.>",  # announce its tools (a KV put is a publish)
-        f"$JS.API.STREAM.INFO.{TOOLS_KV_STREAM}",  # opening the bucket reads its info
-    ]
-    for consumer in replay:
-        publish += [
-            f"$JS.API.CONSUMER.MSG.NEXT.{consumer.stream}.{consumer.name}",
-            f"$JS.API.CONSUMER.INFO.{consumer.stream}.{consumer.name}",
-            f"$JS.ACK.{consumer.stream}.{consumer.name}.>",
-        ]
-    subscribe = [
+    """What a tenant's user may publish and subscribe to inside its own account."""
+    publish = (registry_subject(tenant),)
+    subscribe = (
         f"marlaas.tool.{tenant}.>",
         f"marlaas.reward.{tenant}.>",
         f"marlaas.policy.committed.{tenant}.>",
         f"marlaas.job.*.{tenant}.>",
         f"{inbox_prefix(tenant)}.>",
-    ]
-    return Permissions(publish=tuple(publish), subscribe=tuple(subscribe))
+    )
+    return Permissions(publish=publish, subscribe=subscribe)
 
 
 def _quoted(text: str) -> str:
@@ -120,26 +120,62 @@ def _list(items: Iterable[str]) -> str:
     return "[" + ", ".join(_quoted(i) for i in items) + "]"
 
 
+def _imported(kind: str, subject: str, position: int, tenant: str) -> str:
+    tokens = subject.split(".")
+    tokens[position - 1] = tenant
+    return (f"{{{kind}: {{account: {_quoted(PLATFORM_ACCOUNT)}, "
+            f"subject: {_quoted('.'.join(tokens))}}}}}")
+
+
 def render_auth(services_bcrypt: str, tenants: Iterable[tuple[str, str]]) -> str:
-    """``auth.conf``: the services user, then one user per ``(tenant, token_bcrypt)``."""
+    """``auth.conf``: the platform's account and user, then one account per ``(tenant, token_bcrypt)``."""
+    tenants = sorted(tenants)
+    for tenant, _ in tenants:
+        if tenant in (SERVICES_USER, PLATFORM_ACCOUNT) or tenant.upper() in ("$G", "$SYS"):
+            raise ValueError(f"{tenant!r} is the platform's name, not a tenant name")
+    exports = [f"{{{kind}: {_quoted(subject)}, account_token_position: {position}}}"
+               for kind, subject, position in PLATFORM_EXPORTS]
+    imports = [f"{{service: {{account: {_quoted(tenant)}, subject: {_quoted(pattern.format(tenant=tenant))}}}}}"
+               for tenant, _ in tenants for pattern in TENANT_EXPORTS]
     lines = [
         "# Generated by marlaas from the `tenants` KV bucket; edits are overwritten.",
-        "authorization {",
-        "  users = [",
+        "accounts {",
+        f"  {_quoted(PLATFORM_ACCOUNT)}: {{",
+        "    jetstream: enabled",
+        "    users: [",
         f"    {{user: {_quoted(SERVICES_USER)}, password: {_quoted(services_bcrypt)}}}",
+        "    ]",
+        "    exports: [",
+        *(f"      {e}" for e in exports),
+        "    ]",
+        "    imports: [",
+        *(f"      {i}" for i in imports),
+        "    ]",
+        "  }",
     ]
-    for tenant, token_bcrypt in sorted(tenants):
-        if tenant == SERVICES_USER:
-            raise ValueError(f"{SERVICES_USER!r} is the services' user, not a tenant name")
+    for tenant, token_bcrypt in tenants:
         perms = tenant_permissions(tenant)
         lines += [
+            f"  {_quoted(tenant)}: {{",
+            "    users: [",
             f"    {{user: {_quoted(tenant)}, password: {_quoted(token_bcrypt)}, permissions: {{",
             f"      publish: {{allow: {_list(perms.publish)}}}",
             f"      subscribe: {{allow: {_list(perms.subscribe)}}}",
             f"      allow_responses: {'true' if perms.allow_responses else 'false'}",
             "    }}",
+            "    ]",
+            "    limits: {" + ", ".join(f"{k}: {v}" for k, v in TENANT_LIMITS.items()) + "}",
+            "    imports: [",
+            *(f"      {_imported(kind, subject, position, tenant)}"
+              for kind, subject, position in PLATFORM_EXPORTS),
+            "    ]",
+            "    exports: [",
+            *(f"      {{service: {_quoted(pattern.format(tenant=tenant))}, "
+              f"accounts: [{_quoted(PLATFORM_ACCOUNT)}]}}" for pattern in TENANT_EXPORTS),
+            "    ]",
+            "  }",
         ]
-    lines += ["  ]", "}", ""]
+    lines += ["}", ""]
     return "\n".join(lines)
 
 
@@ -208,27 +244,38 @@ def write_auth_conf(path: Path, text: str) -> bool:
     return True
 
 
+# nats-server 2.15 wires a tenant account added by a reload to the platform's *service* exports
+# only on the reload after it (stream imports work at once): seen here, a new tenant's request
+# to the registrar got "no responders" until a second SIGHUP with the same file. So every
+# reload is done twice, the second once the first has finished.
+RELOADS = 2
+
+
 def reload_server(pid_file: Path, log_file: Path | None = None, timeout_s: float = 10.0) -> int:
-    """SIGHUP the nats-server whose pid is in ``pid_file``; return that pid.
+    """SIGHUP the nats-server whose pid is in ``pid_file`` (:data:`RELOADS` times); return that pid.
 
     With ``log_file`` (the server's log), return only once the server logged that it
     reloaded, so a new user can connect and a revoked one is cut off when this returns;
     raise :class:`AuthConfigError` if it logged a failure instead.
     """
     import signal
+    import time
 
-    offset = log_file.stat().st_size if log_file is not None and log_file.exists() else 0
     try:
         pid = int(Path(pid_file).read_text().strip())
         cmdline = Path(f"/proc/{pid}/cmdline")
         # a stale pid file must not make us SIGHUP (by default: kill) some other process
         if cmdline.parent.parent.exists() and b"nats-server" not in cmdline.read_bytes():
             raise ProcessLookupError(f"process {pid} is not a nats-server")
-        os.kill(pid, signal.SIGHUP)
+        for _ in range(RELOADS):
+            offset = log_file.stat().st_size if log_file is not None and log_file.exists() else 0
+            os.kill(pid, signal.SIGHUP)
+            if log_file is not None:
+                wait_for_reload(log_file, offset, timeout_s)
+            else:
+                time.sleep(0.5)
     except (OSError, ValueError) as exc:
         raise AuthConfigError(f"cannot reload the broker through {pid_file}: {exc}") from exc
-    if log_file is not None:
-        wait_for_reload(log_file, offset, timeout_s)
     return pid
 
 

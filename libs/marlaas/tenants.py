@@ -6,15 +6,13 @@ the tenant is added). A revoked tenant keeps its record (its jobs keep their own
 token of it is accepted. The tenant of every API call comes from its token, never from a
 field a caller writes.
 
-The token is also the tenant's NATS password (user = tenant name): the record keeps its
-bcrypt hash too, so the broker's ``auth.conf`` can be rendered from this bucket alone
-(:func:`write_broker_auth`, rules in :mod:`marlaas.natsauth`). Adding a tenant also makes
-the durable consumers through which it may replay its own jobs' events; revoking deletes them.
+The token is also the tenant's NATS password (user = tenant name, in a NATS account of its
+own): the record keeps its bcrypt hash too, so the broker's ``auth.conf`` can be rendered from
+this bucket alone (:func:`write_broker_auth`, rules in :mod:`marlaas.natsauth`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import re
@@ -24,9 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
-import nats.js.errors
 import structlog
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from marlaas import natsauth
 from marlaas.bus import TENANTS_BUCKET, TOOLS_BUCKET, Bus, StaleRevision
@@ -104,7 +100,6 @@ async def add_tenant(bus: Bus, name: str, max_jobs: int = DEFAULT_MAX_JOBS) -> t
         await bus.kv_create(TENANTS_BUCKET, name, encode(record))
     except StaleRevision:
         raise TenantError(f"tenant {name!r} already exists (`marlaas tenant list`)") from None
-    await ensure_replay_consumers(bus, name)
     return record, token
 
 
@@ -142,7 +137,6 @@ async def revoke_tenant(bus: Bus, name: str) -> TenantRecord:
     if record.active:
         record = msgspec.structs.replace(record, revoked_at=time.time())
         await bus.kv_update(TENANTS_BUCKET, name, encode(record), entry.revision)
-    await delete_replay_consumers(bus, name)
     return record
 
 
@@ -157,22 +151,7 @@ async def authenticate(bus: Bus, token: str) -> TenantRecord | None:
     return record if hmac.compare_digest(record.token_sha256, token_sha256(token)) else None
 
 
-# --- the broker's side: replay consumers, the registry, auth.conf -----------------------------
-
-
-async def ensure_replay_consumers(bus: Bus, tenant: str) -> None:
-    """Create (idempotently) the durable pull consumers ``tenant`` may read its events from."""
-    for consumer in natsauth.replay_consumers(tenant):
-        await bus.js.add_consumer(consumer.stream, ConsumerConfig(
-            durable_name=consumer.name, filter_subject=consumer.filter_subject,
-            ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
-        ))
-
-
-async def delete_replay_consumers(bus: Bus, tenant: str) -> None:
-    for consumer in natsauth.replay_consumers(tenant):
-        with contextlib.suppress(nats.js.errors.NotFoundError):
-            await bus.js.delete_consumer(consumer.stream, consumer.name)
+# --- the broker's side: the registry, auth.conf -----------------------------
 
 
 async def lock_tools_registry(bus: Bus) -> None:
@@ -195,8 +174,8 @@ async def write_broker_auth(bus: Bus, auth_file: Path, services_password: str,
     validate it, and reload each server of ``servers``, given as (pid file, log file), waiting
     for its log to confirm (if given); True if it reloaded any.
 
-    Also makes sure each active tenant's replay consumers and the registry's rollup lock
-    exist, so the rendered permissions always point at something real.
+    Also makes sure the registry's rollup lock is on (only the platform writes the bucket; the
+    lock keeps even a faulty platform write from purging it).
     """
     await lock_tools_registry(bus)
     users = []
@@ -206,7 +185,6 @@ async def write_broker_auth(bus: Bus, auth_file: Path, services_password: str,
         if not record.token_bcrypt:
             log.warning("tenant has no broker password; rotate its token", tenant=record.name)
             continue
-        await ensure_replay_consumers(bus, record.name)
         users.append((record.name, record.token_bcrypt))
     text = natsauth.render_auth(natsauth.bcrypt_hash(services_password), users)
     natsauth.write_auth_conf(auth_file, text)

@@ -1,6 +1,8 @@
 """Env shell: answer reward requests on ``marlaas.reward.<task>`` in the queue group ``env``,
 the built-in ``judge`` reward on ``marlaas.reward.builtin.judge`` (see ``services/env/judge.py``),
-and serve the built-in tools on ``marlaas.tool.builtin.<tool>`` (see ``services/env/tools``).
+serve the built-in tools on ``marlaas.tool.builtin.<tool>`` (see ``services/env/tools``), and
+keep the tool registry for tenants' tools (``marlaas.registry.<tenant>.announce``: tenants live in
+NATS accounts of their own and never write the ``tools`` bucket themselves).
 
 Start more env processes to scale: NATS spreads requests over the queue groups.
 """
@@ -15,6 +17,7 @@ from marlaas.events import RewardResult, encode
 from marlaas.files import DataFiles
 from marlaas.runtime import Runtime
 from marlaas.telemetry import span
+from marlaas.tools.registry import serve_registrar
 from marlaas.tools.sdk import decode_reward_request
 from services.env.judge import JUDGE_SUBJECT, Judge
 from services.env.rewards import RewardBook
@@ -53,6 +56,7 @@ async def run(rt: Runtime) -> None:
     await rt.bus.serve(reward_subject("*"), "env", answer)
     await rt.bus.serve(JUDGE_SUBJECT, "env", answer_judge)
     tools = await serve_builtin_tools(rt.bus, rt.config)
+    await serve_registrar(rt.bus)
     rt.ready()
     log.info("ready", tools=[sub.subject for sub in tools.subscriptions], judge=rt.config.env.judge_url or "off")
     try:

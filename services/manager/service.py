@@ -24,7 +24,7 @@ from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery, StaleRevisi
 from marlaas.commits import announce
 from marlaas.config import Config
 from marlaas.events import (
-    COMMITTED, JOB, JOB_RECORD, METRIC, POLICY, EventDecodeError, CommittedVersion, EvalPoint, JobEvaluated, JobFailureReported, JobRecord,
+    COMMITTED, JOB, JOB_RECORD, METRIC, POLICY, EventDecodeError, CommittedVersion, EvalPoint, JobEvaluated, JobFailureReported, JobRecord, JobWarningReported,
     JobSpec,
     JobState, JobStateChanged, JobSubmitted, RewardRequest, encode,
 )
@@ -501,6 +501,8 @@ class Manager:
         event = JOB.decode(delivery.data)
         if isinstance(event, JobFailureReported):
             await self.transition(event.job, JobState.FAILED, f"{event.service}: {event.reason}")
+        elif isinstance(event, JobWarningReported):
+            await self.update(event.job, lambda r: _with_warning(r, event))
         elif isinstance(event, JobEvaluated):
             await self.update(event.job, lambda r: None if any(e.version == event.version for e in r.evals) else
                               msgspec.structs.replace(r, evals=[*r.evals, EvalPoint(version=event.version,
@@ -530,6 +532,21 @@ class Manager:
                                    error=f"job {request.job} already {record.state.value}")
         await self.transition(request.job, JobState.CANCELLED, "cancelled by user")
         return api.CancelReply(id=request.job, state=JobState.CANCELLED.value)
+
+
+MAX_WARNINGS = 16  # per job: what it depends on is bounded (its tools and reward), and so is this
+MAX_WARNING_CHARS = 500
+
+
+def _with_warning(record: JobRecord, event: JobWarningReported) -> JobRecord | None:
+    """``record`` with ``event``'s warning set (or cleared); None when nothing changes."""
+    key, text = event.key[:100], event.warning[:MAX_WARNING_CHARS]
+    if record.state.finished or record.warnings.get(key, "") == text:
+        return None
+    warnings = {k: v for k, v in record.warnings.items() if k != key}
+    if text and len(warnings) < MAX_WARNINGS:
+        warnings[key] = text
+    return msgspec.structs.replace(record, warnings=warnings)
 
 
 def _reply(handler):
@@ -562,6 +579,8 @@ async def run(rt: Runtime) -> None:
         manager.keep_admitting(rt.stop),  # also picks up where a previous manager left off
         rt.bus.consume("POLICY", "manager", "marlaas.policy.committed.>", manager.on_policy, stop=rt.stop),
         rt.bus.consume("JOBS", "manager-failures", "marlaas.job.failure.>", manager.on_job_event,
+                       stop=rt.stop),
+        rt.bus.consume("JOBS", "manager-warnings", "marlaas.job.warning.>", manager.on_job_event,
                        stop=rt.stop),
         rt.bus.consume("JOBS", "manager-evals", "marlaas.job.eval.>", manager.on_job_event, stop=rt.stop),
     )

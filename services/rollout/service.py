@@ -36,6 +36,7 @@ from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, r
 from services.rollout.announcements import Reaction, plan_announcement
 from services.rollout.engine import PolicyEngine
 from services.rollout.episode import Episode, episode_metrics
+from services.rollout.liveness import Liveness
 from services.rollout.rounds import SyncRounds, round_members
 
 log = structlog.get_logger("rollout")
@@ -116,6 +117,7 @@ class Rollout:
         self.rounds = (SyncRounds(self.sync_round_members, rt.config.rollout.concurrency)
                        if rt.config.manager.schedule == "sync" else None)
         self.engine_gate = None if rt.config.rollout.multi_lora else asyncio.Lock()
+        self.liveness = Liveness(rt.bus, rt.config.rollout.give_up_s)  # jobs' silent tools and rewards
 
     async def sync_round_members(self) -> set[str]:
         """Ids of the jobs a ``sync`` round waits for: the running ones and those being admitted."""
@@ -216,6 +218,7 @@ class Rollout:
                 self.finished.add(job)
             self.tasks.pop(job, None)
             self.eval_tasks.pop(job, None)
+            self.liveness.forget(job)
             await self.engine.drop_job(job)
             await asyncio.to_thread(shutil.rmtree, self.cache_dir / job, True)
 
@@ -306,13 +309,27 @@ class Rollout:
             max_total_tokens=min(rc.max_model_len, len(prompt_ids) + task.max_episode_tokens(grpo.max_new_tokens)),
             tool_timeout_s=rc.tool_timeout_s,
         )
-        tools = ToolBox(spec.id, list(spec.tools), self.bus.request, rc.tool_timeout_s, self.engine.utilization,
-                        context=task.tool_context())
+        tools = ToolBox(spec.id, list(spec.tools), self.watched_request(spec.id), rc.tool_timeout_s,
+                        self.engine.utilization, context=task.tool_context())
         return await run_episode(
             self.engine, self.format, prompt_ids, tools=tools, limits=limits,
             temperature=grpo.temperature if temperature is None else temperature,
             lora=lora, seed=lambda turn: sample_seed(spec, version, prompt, sample, turn),
             ignore_eos=grpo.ignore_eos and temperature is None)  # evaluations answer freely
+
+    def watched_request(self, job: str):
+        """``bus.request`` for ``job``'s tool calls, telling :attr:`liveness` which tools answer."""
+        async def request(subject: str, data: bytes, timeout_s: float) -> bytes:
+            what = "tool " + subject.removeprefix("marlaas.tool.")
+            try:
+                reply = await self.bus.request(subject, data, timeout_s)
+            except TimeoutError:
+                await self.liveness.unanswered(job, what)
+                raise
+            await self.liveness.answered(job, what)
+            return reply
+
+        return request
 
     async def rewards(self, spec: JobSpec, problems: list[dict], groups: list[list[str]]) -> list[float]:
         """Scores of every completion (flattened in group order) by the task's or the job's reward."""
@@ -326,7 +343,14 @@ class Rollout:
                 f"the reward request for {len(items)} completions is {len(data)} bytes, over the broker's "
                 f"max_payload ({limit} bytes): lower grpo.prompts_per_step, grpo.group_size or "
                 "grpo.max_new_tokens, or keep the dataset's records smaller")
-        reply = REWARD.decode(await self.bus.request(subject, data, self.config.rollout.reward_timeout_s))
+        what = f"reward {spec.reward or spec.task}"
+        try:
+            reply = REWARD.decode(await self.bus.request(subject, data, self.config.rollout.reward_timeout_s))
+        except TimeoutError:
+            if await self.liveness.unanswered(spec.id, what):
+                raise PoisonMessage(f"{what} stopped answering") from None  # failed: no more retries
+            raise  # retried (the env may be restarting)
+        await self.liveness.answered(spec.id, what)
         if reply.error:
             raise PoisonMessage(reply.error)
         if len(reply.rewards) != len(items):

@@ -24,7 +24,7 @@ from marlaas import natsauth
 from marlaas.admin import add_tenant_commands
 from marlaas.bus import Bus
 from marlaas.config import load_config
-from marlaas.events import RewardItem, RewardRequest, ToolCall, encode
+from marlaas.events import RewardItem, RewardRequest, ToolCall, ToolSpec, encode
 from marlaas.launcher import Stack
 from marlaas.tenants import TenantError
 from marlaas.tools import registry, sdk
@@ -103,7 +103,9 @@ class Conn:
 
 @pytest.fixture
 async def services(stack):
+    """The platform's connection, keeping the tool registry as env does (the stack runs no services)."""
     bus = await Bus.connect(stack.nats_url, name="test-services", timeout_s=5)
+    await registry.serve_registrar(bus)
     yield bus
     await bus.close()
 
@@ -189,16 +191,64 @@ async def test_a_tenant_cannot_create_consumers(acme):
     assert any("$js.api.consumer.create.policy" in e for e in acme.errors)
 
 
-async def test_a_tenant_cannot_wipe_the_tool_registry(stack, tokens, services):
+async def kv_snapshot(bus: Bus) -> dict[str, dict[str, bytes]]:
+    found = {}
+    for bucket in ("jobs", "tenants", "tools"):
+        found[bucket] = {}
+        for key in await bus.kv_keys(bucket):
+            entry = await bus.kv_get(bucket, key)
+            if entry is not None:
+                found[bucket][key] = entry.value
+    return found
+
+
+async def test_reply_subjects_never_reach_the_platforms_kv(stack, tokens, services):
+    """The attack that worked with one account: any allowed publish (or request) with its reply
+    subject set to a platform KV key made JetStream (or a service) store its answer there."""
+    victim = {"jobs": "other.j-victim", "tenants": "other", "tools": "builtin.search"}
+    await services.kv_put("jobs", victim["jobs"], b'{"kind": "job.record"}')
+    await registry.announce_tool(services, ToolSpec(name="search", namespace="builtin"))
+    acme = await Conn.open(plain_url(stack), "acme", tokens["acme"])
+    try:
+        before = await kv_snapshot(services)
+        targets = [f"$KV.{bucket}.{key}" for bucket, key in victim.items()]
+        spec = encode(shout.spec("acme"))
+        for reply in targets:
+            for subject, body in (("marlaas.registry.acme.announce", spec),  # answered: the registrar
+                                  ("marlaas.registry.acme.announce", b"junk"),
+                                  ("$KV.tools.acme.x", b"{}"),  # refused, and JetStream is not there
+                                  ("$JS.API.STREAM.INFO.KV_jobs", b"")):
+                await acme.nc.publish(subject, body, reply=reply)
+        await acme.nc.flush()
+        await asyncio.sleep(1.0)  # a stored reply would be there well within this
+        after = await kv_snapshot(services)
+    finally:
+        await acme.close()
+    for bucket, key in victim.items():
+        assert after[bucket][key] == before[bucket][key], (bucket, key)
+    assert {b: set(keys) - {"acme.shout"} for b, keys in after.items()} == {
+        b: set(keys) for b, keys in before.items()}
+
+
+async def test_a_tenant_cannot_write_the_tool_registry_directly(stack, tokens, services):
     await registry.announce_tool(services, shout.spec("other"))
     conn = await Conn.open(plain_url(stack), "acme", tokens["acme"])
     try:
-        reply = await conn.nc.request("$KV.tools.acme.mine", b"{}", headers={"Nats-Rollup": "all"},
-                                      timeout=2)
-        assert b"rollup not permitted" in reply.data
+        for subject in ("$KV.tools.acme.mine", "$KV.tools.other.shout", "$JS.API.STREAM.PURGE.KV_tools"):
+            await conn.nc.publish(subject, b"{}", headers={"Nats-Rollup": "all"})
+            await conn.refused("publish", subject)
+        # through the registrar, only its own namespace, and only what the platform can reach
+        refused = await conn.nc.request("marlaas.registry.acme.announce", encode(shout.spec("other")),
+                                        timeout=5)
+        assert b"may announce only its own tools" in refused.data
+        await conn.nc.publish("marlaas.registry.other.announce", b"{}")
+        await conn.refused("publish", "marlaas.registry.other.announce")
+        with pytest.raises(registry.AnnounceRefused, match="does not answer"):  # nobody serves it
+            await registry.request_announce(Bus(conn.nc), shout.spec("acme"))
     finally:
         await conn.close()
     assert await registry.read_tool(services, "other.shout") is not None
+    assert await registry.read_tool(services, "acme.shout") is None
 
 
 # --- what a tenant can do ---------------------------------------------------------------------
@@ -241,7 +291,7 @@ async def test_a_tenant_serves_and_announces_its_own_tools_with_its_token(stack,
         await asyncio.wait_for(serving, 15)
 
 
-async def test_a_tenant_hears_its_own_events_live_and_replays_them(acme, services):
+async def test_a_tenant_hears_its_own_events_live(acme, services):
     live = await acme.nc.subscribe("marlaas.policy.committed.acme.>")
     states = await acme.nc.subscribe("marlaas.job.*.acme.>")
     await acme.nc.flush()
@@ -254,26 +304,7 @@ async def test_a_tenant_hears_its_own_events_live_and_replays_them(acme, service
     with pytest.raises(TimeoutError):
         await live.next_msg(timeout=0.3)
 
-    js = acme.nc.jetstream(timeout=2)
-    for stream, expected in (("POLICY", b"v1"), ("JOBS", b"running")):
-        replay = await js.pull_subscribe_bind("events-acme", stream=stream)
-        got = []
-        for _ in range(10):  # a busy machine may answer a fetch late
-            with contextlib.suppress(TimeoutError):  # nats-py raises its own or asyncio's
-                for msg in await replay.fetch(10, timeout=1):
-                    got.append(msg.data)
-                    await msg.ack_sync()  # the server confirms: acking is allowed
-            if expected in got:
-                break
-        assert expected in got and all(b"their" not in g for g in got), (stream, got)
-        info = await js.consumer_info(stream, "events-acme")
-        assert info.num_ack_pending == 0
-        await replay.unsubscribe()
-    theirs = await js.pull_subscribe_bind("events-other", stream="POLICY")
-    with pytest.raises(TimeoutError):
-        await theirs.fetch(1, timeout=0.5)
-    await acme.refused("publish", "$JS.API.CONSUMER.MSG.NEXT.POLICY.events-other")
-    assert acme.errors and all("events-acme" not in e and "marlaas." not in e for e in acme.errors)
+    assert acme.errors == []
 
 
 # --- tenants come and go by reload --------------------------------------------------------------
@@ -331,7 +362,7 @@ def test_a_config_nats_server_refuses_is_never_applied(stack):
     auth = stack.home / "nats" / "auth.conf"
     before = auth.read_text()
     with pytest.raises(natsauth.AuthConfigError, match="refuses"):
-        natsauth.write_auth_conf(auth, before.replace("users = [", "users = [ {user: ", 1))
+        natsauth.write_auth_conf(auth, before.replace("users: [", "users: [ {user: ", 1))
     assert auth.read_text() == before
     assert not list(auth.parent.glob(".auth.conf*"))
 

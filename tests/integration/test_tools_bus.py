@@ -20,7 +20,7 @@ from marlaas.bus import Bus
 from marlaas.config import load_config
 from marlaas.events import REWARD, TOOL, RewardItem, RewardRequest, ToolCall, ToolResult, encode
 from marlaas.tools import list_tools, read_tool, tool_subject
-from marlaas.tools.registry import reward_subject
+from marlaas.tools.registry import reward_subject, serve_registrar
 from polling import eventually
 from services.env.tools import serve_builtin_tools
 
@@ -34,8 +34,10 @@ TTL_S = 2.0  # the registry's TTL in these tests (30 s in production); heartbeat
 
 @pytest.fixture
 async def tools_bus(bus):
-    """The test bus with the tools registry's TTL shortened to ``TTL_S``."""
+    """The test bus with the tools registry's TTL shortened to ``TTL_S``, keeping the registry
+    for tenants' tool processes as env does."""
     await bus.ensure_topology(bucket_ttl_s={"tools": TTL_S})
+    await serve_registrar(bus)
     return bus
 
 

@@ -13,6 +13,12 @@ from marlaas.tenants import TenantError, check_tenant_name, new_token, tenant_of
 pytestmark = pytest.mark.timeout(30)
 
 
+def accounts(text: str) -> dict[str, str]:
+    """Each account's block in a rendered auth.conf, by name."""
+    blocks = re.split(r'\n(?=  "[^"]+": \{)', text)
+    return {re.match(r'  "([^"]+)"', b)[1]: b for b in blocks[1:]}
+
+
 def users(text: str) -> dict[str, str]:
     """Each user's line block in a rendered auth.conf, by name."""
     blocks = re.split(r"\n(?=    \{user: )", text)
@@ -23,36 +29,52 @@ def allowed(block: str, kind: str) -> list[str]:
     return re.findall(r'"([^"]+)"', re.search(rf"{kind}: \{{allow: \[([^\]]*)\]", block)[1])
 
 
-def test_services_user_may_do_everything_and_tenants_get_permissions():
+def test_the_platform_and_each_tenant_are_accounts_of_their_own():
     text = natsauth.render_auth("$2a$06$services", [("acme", "$2a$06$acme"), ("beta", "$2a$06$beta")])
-    found = users(text)
-    assert set(found) == {"services", "acme", "beta"}
-    assert "permissions" not in found["services"] and '"$2a$06$services"' in found["services"]
+    assert text.startswith("# Generated") and "authorization {" not in text
+    found = accounts(text)
+    assert set(found) == {"PLATFORM", "acme", "beta"}
+    assert "jetstream: enabled" in found["PLATFORM"]
+    assert not any("jetstream" in found[t] for t in ("acme", "beta"))  # no JetStream for tenants
+    assert set(users(found["PLATFORM"])) == {"services"} and set(users(found["acme"])) == {"acme"}
+    assert "permissions" not in users(found["PLATFORM"])["services"]
     assert '"$2a$06$acme"' in found["acme"] and "allow_responses: true" in found["acme"]
-    assert text.startswith("# Generated") and text.count("authorization {") == 1
 
 
-def test_a_tenant_may_serve_hear_and_replay_only_its_own_subjects():
+def test_a_tenant_imports_only_subjects_with_its_own_name():
+    found = accounts(natsauth.render_auth("h", [("acme", "a"), ("beta", "b")]))
+    platform, acme = found["PLATFORM"], found["acme"]
+    # the platform exports each per-tenant subject with the tenant's token position ...
+    assert re.findall(r'\{(stream|service): "([^"]+)", account_token_position: (\d)\}', platform) == [
+        ("stream", "marlaas.policy.committed.*.>", "4"), ("stream", "marlaas.job.*.*.>", "4"),
+        ("service", "marlaas.registry.*.announce", "3")]
+    # ... each tenant imports its own, and serves its tools and rewards to the platform alone
+    assert re.findall(r'\{(stream|service): \{account: "PLATFORM", subject: "([^"]+)"\}\}', acme) == [
+        ("stream", "marlaas.policy.committed.acme.>"), ("stream", "marlaas.job.*.acme.>"),
+        ("service", "marlaas.registry.acme.announce")]
+    assert re.findall(r'\{service: "([^"]+)", accounts: \["PLATFORM"\]\}', acme) == [
+        "marlaas.tool.acme.>", "marlaas.reward.acme.>"]
+    assert re.findall(r'\{service: \{account: "(\w+)", subject: "([^"]+)"\}\}', platform) == [
+        ("acme", "marlaas.tool.acme.>"), ("acme", "marlaas.reward.acme.>"),
+        ("beta", "marlaas.tool.beta.>"), ("beta", "marlaas.reward.beta.>")]
+    assert "beta" not in acme and "acme" not in found["beta"]
+
+
+def test_inside_its_account_a_tenant_may_serve_hear_and_announce_only_its_own():
     perms = natsauth.tenant_permissions("acme")
     assert set(perms.subscribe) == {
         "marlaas.tool.acme.>", "marlaas.reward.acme.>", "marlaas.policy.committed.acme.>",
         "marlaas.job.*.acme.>", "_INBOX_acme.>",
     }
-    assert set(perms.publish) == {
-        "$KV.tools.acme.>", "$JS.API.STREAM.INFO.KV_tools",
-        "$JS.API.CONSUMER.MSG.NEXT.JOBS.events-acme", "$JS.API.CONSUMER.INFO.JOBS.events-acme",
-        "$JS.ACK.JOBS.events-acme.>",
-        "$JS.API.CONSUMER.MSG.NEXT.POLICY.events-acme", "$JS.API.CONSUMER.INFO.POLICY.events-acme",
-        "$JS.ACK.POLICY.events-acme.>",
-    }
+    assert perms.publish == ("marlaas.registry.acme.announce",)
     rendered = users(natsauth.render_auth("$2a$06$x", [("acme", "$2a$06$y")]))["acme"]
     assert allowed(rendered, "publish") == list(perms.publish)
     assert allowed(rendered, "subscribe") == list(perms.subscribe)
 
 
 @pytest.mark.parametrize("forbidden", [
-    "CREATE", "DURABLE", "DELETE", "PURGE", "DIRECT.GET", "MSG.GET", "TRAJ", "trajectory",
-    "marlaas.api", "marlaas.span", "$KV.jobs", "$KV.tenants", "_INBOX.",
+    "$JS", "$KV", "CREATE", "DURABLE", "DELETE", "PURGE", "DIRECT.GET", "MSG.GET", "TRAJ", "trajectory",
+    "marlaas.api", "marlaas.span", "_INBOX.",
 ])
 def test_a_tenant_gets_no_dangerous_grant(forbidden):
     perms = natsauth.tenant_permissions("acme")
@@ -60,18 +82,12 @@ def test_a_tenant_gets_no_dangerous_grant(forbidden):
     assert ">" not in granted and not any(forbidden in subject for subject in granted)
 
 
-def test_replay_consumers_are_filtered_to_the_tenant():
-    consumers = {c.stream: c for c in natsauth.replay_consumers("acme")}
-    assert consumers["JOBS"].filter_subject == "marlaas.job.*.acme.>"
-    assert consumers["POLICY"].filter_subject == "marlaas.policy.committed.acme.>"
-    assert {c.name for c in consumers.values()} == {"events-acme"}
-
-
 def test_tenants_are_sorted_and_a_tenant_cannot_be_the_services_user():
     text = natsauth.render_auth("h", [("zeta", "z"), ("acme", "a")])
     assert text.index('user: "acme"') < text.index('user: "zeta"')
-    with pytest.raises(ValueError, match="services"):
-        natsauth.render_auth("h", [("services", "x")])
+    for platform in ("services", "PLATFORM", "$G", "$SYS"):
+        with pytest.raises(ValueError, match="platform's name"):
+            natsauth.render_auth("h", [(platform, "x")])
     with pytest.raises(TenantError):
         check_tenant_name("services")
     with pytest.raises(ValueError, match="cannot be written"):

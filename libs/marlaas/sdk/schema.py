@@ -47,6 +47,9 @@ class JobInfo(msgspec.Struct, kw_only=True, frozen=True):
     pinned: list[int] = []
     submitted_at: float = 0.0
     finished_at: float | None = None
+    # what the job depends on and misbehaves now, e.g. {"reward acme.score": "not answering since
+    # 12:03:41; ..."}: a tool or reward that answers nothing for rollout.give_up_s fails the job
+    warnings: dict[str, str] = {}
 
 
 class VersionInfo(msgspec.Struct, kw_only=True, frozen=True):

@@ -11,6 +11,12 @@ bucket's TTL, 30 s by default) and every server re-writes its tools' entries as 
 heartbeat, so a tool whose last replica died disappears within one TTL. A replica that
 stops cleanly does not delete the entry (another replica may still serve it): it lingers
 until the TTL runs out.
+
+Only the platform writes the bucket. A tenant's tool process lives in the tenant's own NATS
+account, with no JetStream: it sends its announcement to ``marlaas.registry.<tenant>.announce``
+(:func:`request_announce`), which the platform imports from that account alone, and the
+registrar (:func:`serve_registrar`, run by env) checks it and writes the entry. A tenant can
+therefore announce only tools in its own namespace, and only tools the platform can reach.
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ import time
 from collections.abc import Iterable
 
 import msgspec
+import nats.errors
 import structlog
 
 from marlaas.bus import BUCKETS, TOOLS_BUCKET, Bus
-from marlaas.events import Codec, ToolSpec, encode
+from marlaas.events import Codec, EventDecodeError, ToolSpec, encode
+from marlaas.natsauth import registry_subject
 
 log = structlog.get_logger("marlaas.tools")
 
@@ -36,6 +44,10 @@ HEARTBEAT_S = 10.0  # at most; a bucket with a short TTL gets beats every TTL / 
 NAMESPACE_RE = re.compile(r"[a-z0-9][a-z0-9-]*")
 TOOL_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 TOOL_SPEC = Codec("tool spec", ToolSpec)
+MAX_SPEC_BYTES = 64 * 1024  # one tool's announcement: name, description and JSON schema
+MAX_TOOLS_PER_TENANT = 256
+REACH_WAIT_S = 3.0  # how long a new tool may take to become reachable from the platform's account
+MAX_PENDING_ANNOUNCEMENTS = 8  # per tenant, being checked at once; more are refused at once
 
 
 class ToolNameError(ValueError):
@@ -130,29 +142,160 @@ async def registry_ttl_s(bus: Bus) -> float:
 
 
 async def keep_announced(
-    bus: Bus, specs: Iterable[ToolSpec], every_s: float | None = None
+    bus: Bus, specs: Iterable[ToolSpec], every_s: float | None = None, *, tenant: bool = False
 ) -> asyncio.Task:
     """Announce ``specs`` now, then keep re-announcing them in a background task (the heartbeat).
 
-    The interval is ``every_s``, else ``min(HEARTBEAT_S, TTL / 3)``, so an entry survives two
-    missed beats. Cancel the returned task to stop; a failed beat (NATS reconnecting) is
-    logged and retried at the next one.
+    ``tenant``: ``bus`` is a tenant's connection, which announces through the registrar
+    (:func:`request_announce`) rather than writing the bucket. The interval is ``every_s``,
+    else ``min(HEARTBEAT_S, TTL / 3)``, so an entry survives two missed beats. Cancel the
+    returned task to stop; a failed beat (NATS reconnecting) is logged and retried at the next one.
     """
     specs = list(specs)
-    interval = every_s or min(HEARTBEAT_S, await registry_ttl_s(bus) / 3)
-    for spec in specs:
-        await announce_tool(bus, spec)
+    if tenant:
+        ttls = [await request_announce(bus, spec) for spec in specs]
+        interval = every_s or min(HEARTBEAT_S, min(ttls) / 3)
+    else:
+        interval = every_s or min(HEARTBEAT_S, await registry_ttl_s(bus) / 3)
+        for spec in specs:
+            await announce_tool(bus, spec)
 
     async def beat() -> None:
         while True:
             await asyncio.sleep(interval)
             for spec in specs:
                 try:
-                    await announce_tool(bus, spec)
+                    if tenant:
+                        await request_announce(bus, spec)
+                    else:
+                        await announce_tool(bus, spec)
                 except Exception as exc:  # tolerated: the next beat retries before the TTL runs out
                     log.warning("tool heartbeat failed", tool=spec.qualified, error=repr(exc))
 
     return asyncio.create_task(beat(), name="tool-heartbeat")
+
+
+# --- announcements from tenants' accounts ------------------------------------------------------
+
+
+class AnnounceRefused(RuntimeError):
+    """The registrar refused a tenant's announcement (the reason says what to fix)."""
+
+
+class AnnounceReply(msgspec.Struct, forbid_unknown_fields=False):
+    """The registrar's answer: the bucket's TTL on success, else ``error``."""
+
+    ttl_s: float = 0.0
+    error: str = ""
+
+
+ANNOUNCE_REPLY = msgspec.json.Decoder(AnnounceReply)
+
+
+async def request_announce(bus: Bus, spec: ToolSpec, timeout_s: float = 10.0) -> float:
+    """Ask the registrar to write (or refresh) ``spec``; return the registry's TTL in seconds.
+
+    Raises :class:`AnnounceRefused` with the registrar's reason, or ``TimeoutError`` when no
+    registrar answers within ``timeout_s`` (the platform's env service is down). "No
+    responders" is retried meanwhile: a tenant account just added by a broker reload learns
+    of the registrar a moment after it can connect.
+    """
+    subject, deadline = registry_subject(spec.namespace), time.monotonic() + timeout_s
+    while True:
+        try:
+            reply = await bus.nc.request(subject, encode(spec), timeout=timeout_s)
+            break
+        except nats.errors.NoRespondersError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nobody answers on {subject}: is the platform's env service "
+                                   "running?") from None
+            await asyncio.sleep(0.1)
+        except nats.errors.TimeoutError:
+            raise TimeoutError(f"no reply on {subject} within {timeout_s:.0f}s") from None
+    answer = ANNOUNCE_REPLY.decode(reply.data)
+    if answer.error:
+        raise AnnounceRefused(answer.error)
+    return answer.ttl_s
+
+
+async def _reachable(bus: Bus, qualified: str) -> bool:
+    """Whether a request to the tool reaches a server now (interest crosses accounts a moment
+    after the tenant subscribes). The probe is an empty body, which a server answers with an
+    error result without running the tool."""
+    deadline = time.monotonic() + REACH_WAIT_S
+    while True:
+        if await bus.answered(tool_subject(qualified), b"", timeout_s=REACH_WAIT_S):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+
+
+async def handle_announcement(bus: Bus, tenant: str, data: bytes) -> AnnounceReply:
+    """Check one tenant's announcement and write it; every fault is an error reply."""
+    if len(data) > MAX_SPEC_BYTES:
+        return AnnounceReply(error=f"announcement is {len(data)} bytes; at most {MAX_SPEC_BYTES} "
+                                   "(shorten the tool's description or schema)")
+    try:
+        spec = TOOL_SPEC.decode(data)
+        check_namespace(tenant)
+        check_tool_name(spec.name)
+    except (EventDecodeError, ToolNameError) as exc:
+        return AnnounceReply(error=str(exc))
+    if spec.namespace != tenant:
+        return AnnounceReply(error=f"tenant {tenant!r} may announce only its own tools "
+                                   f"({tenant}.<tool>), not {spec.qualified!r}")
+    if await bus.kv_get(TOOLS_BUCKET, spec.qualified) is None:  # new: bounded, and reachable
+        served = [k for k in await bus.kv_keys(TOOLS_BUCKET) if k.startswith(f"{tenant}.")]
+        if len(served) >= MAX_TOOLS_PER_TENANT:
+            return AnnounceReply(error=f"tenant {tenant!r} already serves {len(served)} tools, "
+                                       f"the most allowed ({MAX_TOOLS_PER_TENANT})")
+        if not await _reachable(bus, spec.qualified):
+            return AnnounceReply(error=f"{spec.qualified} does not answer on "
+                                       f"{tool_subject(spec.qualified)}: subscribe before announcing")
+    await announce_tool(bus, spec)
+    return AnnounceReply(ttl_s=await registry_ttl_s(bus))
+
+
+async def serve_registrar(bus: Bus):
+    """Answer tenants' announcements (``marlaas.registry.*.announce``) on the platform's ``bus``.
+
+    The tenant is the subject's third token: the broker imports that subject into a tenant's
+    account only with the tenant's own name there, so it cannot be forged. Each announcement is
+    checked in a task of its own (a new tool's reachability probe takes a moment); a tenant with
+    :data:`MAX_PENDING_ANNOUNCEMENTS` being checked gets its next ones refused at once.
+    """
+    pending: dict[str, int] = {}
+    tasks: set[asyncio.Task] = set()
+
+    async def answer(msg, tenant: str) -> None:
+        try:
+            reply = await handle_announcement(bus, tenant, msg.data)
+        except Exception as exc:  # the bus, not the tenant: say so, keep serving
+            log.warning("announcement failed", tenant=tenant, error=repr(exc))
+            reply = AnnounceReply(error=f"the registry could not be written now "
+                                        f"({type(exc).__name__}); the next heartbeat retries")
+        finally:
+            pending[tenant] -= 1
+        if msg.reply:
+            with contextlib.suppress(Exception):
+                await msg.respond(msgspec.json.encode(reply))
+
+    async def on_msg(msg) -> None:
+        tenant = msg.subject.split(".")[2]
+        if pending.get(tenant, 0) >= MAX_PENDING_ANNOUNCEMENTS:
+            if msg.reply:
+                with contextlib.suppress(Exception):
+                    await msg.respond(msgspec.json.encode(AnnounceReply(
+                        error=f"{MAX_PENDING_ANNOUNCEMENTS} announcements of yours are still being "
+                              "checked; announce each tool once and re-announce it as a heartbeat")))
+            return
+        pending[tenant] = pending.get(tenant, 0) + 1
+        task = asyncio.create_task(answer(msg, tenant))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    return await bus.nc.subscribe(registry_subject("*"), queue="registry", cb=on_msg)
 
 
 async def stop_heartbeat(task: asyncio.Task) -> None:

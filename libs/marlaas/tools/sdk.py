@@ -273,9 +273,11 @@ class ServedTools:
 
 
 async def serve_tools(bus: Bus, tools: Iterable[Tool], namespace: str, *,
-                      delay: Delay | None = None, heartbeat_s: float | None = None) -> ServedTools:
+                      delay: Delay | None = None, heartbeat_s: float | None = None,
+                      tenant: bool = False) -> ServedTools:
     """Subscribe each tool on ``marlaas.tool.<namespace>.<name>`` (queue group ``tool-<namespace>``),
-    then announce them in the registry and keep heart-beating them."""
+    then announce them in the registry and keep heart-beating them (``tenant``: ``bus`` is the
+    tenant's own connection, which announces through the platform's registrar)."""
     check_namespace(namespace)
     tools = list(tools)
     names = [t.name for t in tools]
@@ -289,7 +291,14 @@ async def serve_tools(bus: Bus, tools: Iterable[Tool], namespace: str, *,
         subject = tool_subject(f"{namespace}.{served.name}")
         subscriptions.append(await bus.serve(subject, f"tool-{namespace}", answer))
     await bus.nc.flush()  # subscribed at the server before anyone reads the announcement
-    heartbeat = await keep_announced(bus, [t.spec(namespace) for t in tools], heartbeat_s)
+    try:
+        heartbeat = await keep_announced(bus, [t.spec(namespace) for t in tools], heartbeat_s,
+                                         tenant=tenant)
+    except BaseException:
+        for sub in subscriptions:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        raise
     return ServedTools(subscriptions, heartbeat)
 
 
@@ -473,7 +482,7 @@ async def _serve_until(stop: asyncio.Event, url: str, tenant: str, tools: list[T
             subject = reward_subject(f"{tenant}.{function.name}")
             reward_subscriptions.append(await bus.serve(subject, f"reward-{tenant}", answer))
         if tools:  # last: once a tool is announced, everything here is served
-            served = await serve_tools(bus, tools, tenant)
+            served = await serve_tools(bus, tools, tenant, tenant=True)
         await bus.nc.flush()
         log.info("serving", tenant=tenant, tools=[t.name for t in tools],
                  rewards=[r.name for r in rewards], nats=redact_url(url))
