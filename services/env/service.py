@@ -31,7 +31,8 @@ def reward_subject(task: str) -> str:
 
 
 async def run(rt: Runtime) -> None:
-    book = RewardBook(DataFiles(rt.store, rt.config.home_dir / "cache" / "files"))
+    files = DataFiles(rt.store, rt.config.home_dir / "cache" / "files")  # tenants' uploads
+    book = RewardBook(files)
     judge = Judge(rt.config.env)
 
     async def answer(data: bytes) -> bytes:
@@ -55,7 +56,7 @@ async def run(rt: Runtime) -> None:
 
     await rt.bus.serve(reward_subject("*"), "env", answer)
     await rt.bus.serve(JUDGE_SUBJECT, "env", answer_judge)
-    tools = await serve_builtin_tools(rt.bus, rt.config)
+    tools = await serve_builtin_tools(rt.bus, rt.config, files)
     await serve_registrar(rt.bus)
     rt.ready()
     log.info("ready", tools=[sub.subject for sub in tools.subscriptions], judge=rt.config.env.judge_url or "off")

@@ -26,7 +26,7 @@ from marlaas.events import (
     JOB, JOB_RECORD, POLICY, REWARD, EventDecodeError, JobEvaluated, JobSpec, JobState, JobStateChanged, PolicyCommitted,
     RewardItem, RewardRequest, Span, TrajectoryBatch, TrajectoryReady, encode,
 )
-from marlaas.files import DataFiles
+from marlaas.files import DataFiles, is_file_id
 from marlaas.runtime import Runtime
 from marlaas.store import ObjectStore
 from marlaas.tasks import Task, TaskError
@@ -310,7 +310,7 @@ class Rollout:
             tool_timeout_s=rc.tool_timeout_s,
         )
         tools = ToolBox(spec.id, list(spec.tools), self.watched_request(spec.id), rc.tool_timeout_s,
-                        self.engine.utilization, context=task.tool_context())
+                        self.engine.utilization, context=tool_context(spec, task))
         return await run_episode(
             self.engine, self.format, prompt_ids, tools=tools, limits=limits,
             temperature=grpo.temperature if temperature is None else temperature,
@@ -357,6 +357,15 @@ class Rollout:
             raise PoisonMessage(f"env returned {len(reply.rewards)} rewards for {len(items)} completions")
         return reply.rewards
 
+
+
+def tool_context(spec: JobSpec, task: Task) -> dict[str, str]:
+    """What the job's tool calls carry: the task's context, with an uploaded corpus named by its
+    file id and tenant rather than by this replica's cached copy (env fetches its own)."""
+    context = task.tool_context()
+    if "corpus" in context and is_file_id(spec.corpus):
+        context.update(corpus=spec.corpus, tenant=spec.tenant)
+    return context
 
 
 async def sampled_version(bus: Bus, job: str) -> int:

@@ -247,3 +247,34 @@ async def test_a_tenant_keeps_at_most_max_files_and_others_are_not_held_back(ten
     assert (await upload(bob, b'{"i": 3}\n')).status_code == 201  # another tenant's quota is its own
     await alice.delete(f"/v1/files/{kept[0]}")
     assert (await upload(alice, b'{"i": 3}\n')).status_code == 201
+
+
+CORPUS = "".join(json.dumps({"id": f"p{i}", "title": f"Alice's page {i}", "text": text}) + "\n"
+                 for i, text in enumerate(["The zebra sleeps standing up.", "Tea grows on hills.",
+                                           "Alice keeps her notes private."])).encode()
+
+
+async def test_an_uploaded_corpus_reaches_env_by_file_id_and_tenant_not_by_rollouts_path(file_store, tmp_path):
+    """In compose, rollout and env are different containers: the search tool's context names the
+    upload (id and tenant), and env fetches its own copy, for that tenant only."""
+    from services.env.tools import search_tool
+    from services.env.tools.search import CorpusIndexes
+    from services.rollout.service import tool_context
+
+    corpus = put_file(file_store, "alice", CORPUS, "pages.jsonl")
+    questions = put_file(file_store, "alice", b'{"question": "What sleeps standing?", "answer": "zebra"}\n')
+    rollout_files = DataFiles(file_store, tmp_path / "rollout-cache")
+    spec = msgspec.structs.replace(
+        JOB_RECORD.decode(msgspec.json.encode({"spec": {"id": "alice.qa", "tenant": "alice", "name": "qa",
+                                                        "task": "search-qa", "steps": 1}})).spec,
+        dataset=questions.id, corpus=corpus.id)
+    task = rollout_files.task("alice", "search-qa", spec.dataset, spec.corpus)
+    context = tool_context(spec, task)
+    assert context == {"corpus": corpus.id, "tenant": "alice"}  # not rollout's cached path
+
+    env_files = DataFiles(file_store, tmp_path / "env-cache")  # env's own disk
+    search = search_tool(None, 3, CorpusIndexes(tmp_path / "env-index"), env_files)
+    found = await search.call('{"query": "zebra standing"}', context)
+    assert "zebra" in found.lower() and (tmp_path / "env-cache").is_dir()
+    with pytest.raises(Exception, match="no file"):  # another tenant naming alice's upload
+        await search.call('{"query": "zebra"}', {"corpus": corpus.id, "tenant": "bob"})

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from marlaas.bus import Bus
 from marlaas.config import Config, EnvConfig
+from marlaas.files import DataFiles, FileMissing, is_file_id
 from marlaas.tools import BUILTIN, DEFAULT_CORPUS, ServedTools, Tool, ToolError, serve_tools, tool
 from services.env.tools.calculator import CalculatorError, calculate, format_value
 from services.env.tools.latency import InjectedLatency
@@ -37,9 +38,12 @@ def calculator_tool() -> Tool:
     return calculator
 
 
-def search_tool(index: SearchIndex, default_k: int, job_corpora: CorpusIndexes | None = None) -> Tool:
+def search_tool(index: SearchIndex, default_k: int, job_corpora: CorpusIndexes | None = None,
+                files: DataFiles | None = None) -> Tool:
     """``search`` over ``index``, or over the job's corpus (from ``job_corpora``) when a call's
-    context names one."""
+    context names one: a path (the platform's own jobs), or a tenant's uploaded file
+    (``{"corpus": "file-...", "tenant": ...}``, fetched from the store through ``files`` into
+    this env's own cache, so env need not share a disk with rollout)."""
     job_corpora = CorpusIndexes(cache_dir=None) if job_corpora is None else job_corpora
 
     @tool(name="search", context=True)
@@ -54,10 +58,14 @@ def search_tool(index: SearchIndex, default_k: int, job_corpora: CorpusIndexes |
             raise ToolError("query is empty: give keywords to search for")
         if not 1 <= k <= MAX_K:
             raise ToolError(f"k must be between 1 and {MAX_K}, not {k}")
-        corpus = (context or {}).get("corpus")
+        corpus, tenant = (context or {}).get("corpus"), (context or {}).get("tenant", "")
         try:
+            if is_file_id(corpus):
+                if files is None or not tenant:
+                    raise CorpusError(f"{corpus} is an uploaded file, and this env reads no uploads")
+                corpus = files.local_path(tenant, corpus)
             chosen = job_corpora.get(corpus) if corpus else index
-        except CorpusError as exc:
+        except (CorpusError, FileMissing) as exc:
             raise ToolError(f"the job's corpus cannot be searched: {exc}") from None
         return render_results(query, chosen.search(query, k))
 
@@ -90,17 +98,18 @@ def search_cache_dir(config: Config) -> Path:
     return config.home_dir / "cache" / "search"
 
 
-async def builtin_tools(config: Config) -> list[Tool]:
+async def builtin_tools(config: Config, files: DataFiles | None = None) -> list[Tool]:
     """The built-in tools configured by ``config.env``; the search index is built (or loaded)
-    in a thread, so a large corpus does not stall the event loop."""
+    in a thread, so a large corpus does not stall the event loop. ``files``: where jobs'
+    uploaded corpora are read from."""
     corpus = Path(config.env.search_corpus).expanduser() if config.env.search_corpus else DEFAULT_CORPUS
     index = await asyncio.to_thread(SearchIndex.open, corpus, search_cache_dir(config))
     job_corpora = CorpusIndexes(search_cache_dir(config), config.env.search_cached_indexes)
-    return [calculator_tool(), search_tool(index, config.env.search_top_k, job_corpora),
+    return [calculator_tool(), search_tool(index, config.env.search_top_k, job_corpora, files),
             python_tool(sandbox_limits(config.env))]
 
 
-async def serve_builtin_tools(bus: Bus, config: Config) -> ServedTools:
+async def serve_builtin_tools(bus: Bus, config: Config, files: DataFiles | None = None) -> ServedTools:
     """Serve the built-ins on ``marlaas.tool.builtin.<name>`` with the configured injected latency."""
     latency = InjectedLatency(config.env.tool_latency_s)
-    return await serve_tools(bus, await builtin_tools(config), BUILTIN, delay=latency or None)
+    return await serve_tools(bus, await builtin_tools(config, files), BUILTIN, delay=latency or None)
