@@ -44,6 +44,8 @@ def add_tenant_commands(subparsers) -> argparse.ArgumentParser:
     p = action("add", cmd_add, "add a tenant; prints its API token (shown only this once)")
     p.add_argument("name")
     p.add_argument("--max-jobs", type=int, default=None, help="jobs queued or running at once")
+    p.add_argument("--max-samples", type=int, default=None,
+                   help="samples per version of one job (grpo.prompts_per_step x grpo.group_size)")
     action("list", cmd_list, "list tenants")
     p = action("revoke", cmd_revoke, "revoke a tenant: its token stops working, its connections drop")
     p.add_argument("name")
@@ -131,11 +133,12 @@ def _print_json(obj) -> None:
 
 
 def cmd_add(args, config: Config) -> int:
-    from marlaas.tenants import DEFAULT_MAX_JOBS, add_tenant
+    from marlaas.tenants import DEFAULT_MAX_JOBS, DEFAULT_MAX_SAMPLES, add_tenant
 
     async def go(bus, url):
         max_jobs = DEFAULT_MAX_JOBS if args.max_jobs is None else args.max_jobs
-        record, token = await add_tenant(bus, args.name, max_jobs)
+        max_samples = DEFAULT_MAX_SAMPLES if args.max_samples is None else args.max_samples
+        record, token = await add_tenant(bus, args.name, max_jobs, max_samples)
         try:
             outcome = await _sync_broker(bus, url, config, args)
         except Exception as exc:  # the tenant exists now: its token must still be shown
@@ -148,7 +151,8 @@ def cmd_add(args, config: Config) -> int:
         _print_json({"tenant": record.name, "token": token, **({"error": error} if error else {})})
     else:
         print(token)  # alone on stdout: TOKEN=$(marlaas tenant add NAME)
-        print(f"tenant {record.name} added (max {record.max_jobs} jobs at once); the token above is "
+        print(f"tenant {record.name} added (max {record.max_jobs} jobs at once, {record.max_samples} samples "
+              f"per version); the token above is "
               f"shown only now. {_broker_note(outcome) if outcome else ''}",
               file=sys.stderr)
         if error:
@@ -160,7 +164,8 @@ def cmd_list(args, config: Config) -> int:
     from marlaas.tenants import list_tenants
 
     records = asyncio.run(_with_bus(config, lambda bus, url: list_tenants(bus)))
-    rows = [{"name": r.name, "active": r.active, "max_jobs": r.max_jobs, "created_at": r.created_at,
+    rows = [{"name": r.name, "active": r.active, "max_jobs": r.max_jobs, "max_samples": r.max_samples,
+             "created_at": r.created_at,
              "revoked_at": r.revoked_at} for r in records]
     if args.json:
         _print_json({"tenants": rows})
@@ -168,7 +173,7 @@ def cmd_list(args, config: Config) -> int:
     for row in rows:
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["created_at"]))
         print(f"{row['name']:<32} {'active' if row['active'] else 'revoked':<8} "
-              f"max_jobs={row['max_jobs']:<4} created {created}")
+              f"max_jobs={row['max_jobs']:<4} max_samples={row['max_samples']:<5} created {created}")
     return 0
 
 

@@ -34,6 +34,9 @@ TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 # 128 random bits: with the longest name a token is 69 bytes, within the 72 that bcrypt reads
 TOKEN_RE = re.compile(r"^mlt_([a-z0-9][a-z0-9-]{0,31})_([0-9a-f]{32})$")
 DEFAULT_MAX_JOBS = 8
+# samples per version (grpo.prompts_per_step x grpo.group_size) of any one job of the tenant: one
+# tenant's 64 x 64 job would otherwise hold the shared engine for as long as 64 jobs of 8 x 8
+DEFAULT_MAX_SAMPLES = 256
 # names the platform speaks for: the built-in namespace (tools, rewards), its services and their
 # broker user, and NATS' own account and inbox prefixes
 RESERVED_NAMES = ("builtin", "judge", natsauth.SERVICES_USER, "platform", "sys")
@@ -51,6 +54,7 @@ class TenantRecord(Wire):
     token_sha256: str
     token_bcrypt: str = ""  # the broker's copy (auth.conf); "" = no NATS user (an older record)
     max_jobs: int = DEFAULT_MAX_JOBS  # jobs queued or running at once
+    max_samples: int = DEFAULT_MAX_SAMPLES  # samples per version of one job
     created_at: float = 0.0
     revoked_at: float = 0.0
 
@@ -88,13 +92,16 @@ def tenant_of_token(token: str) -> str | None:
     return found[1] if found else None
 
 
-async def add_tenant(bus: Bus, name: str, max_jobs: int = DEFAULT_MAX_JOBS) -> tuple[TenantRecord, str]:
+async def add_tenant(bus: Bus, name: str, max_jobs: int = DEFAULT_MAX_JOBS,
+                     max_samples: int = DEFAULT_MAX_SAMPLES) -> tuple[TenantRecord, str]:
     """Create tenant ``name``; return its record and its token (shown once, stored only hashed)."""
     check_tenant_name(name)
     if max_jobs < 1:
         raise TenantError(f"--max-jobs must be at least 1 (got {max_jobs})")
+    if max_samples < 2:
+        raise TenantError(f"--max-samples must be at least 2, one GRPO group (got {max_samples})")
     token = new_token(name)
-    record = TenantRecord(name=name, token_sha256=token_sha256(token), max_jobs=max_jobs,
+    record = TenantRecord(name=name, token_sha256=token_sha256(token), max_jobs=max_jobs, max_samples=max_samples,
                           token_bcrypt=natsauth.bcrypt_hash(token), created_at=time.time())
     try:
         await bus.kv_create(TENANTS_BUCKET, name, encode(record))

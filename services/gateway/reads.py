@@ -16,12 +16,15 @@ import re
 import time
 
 import nats.js.errors
+import structlog
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from marlaas.bus import JOBS_BUCKET, Bus
-from marlaas.events import JOB_RECORD, POLICY, JobRecord, JobState, PolicyCommitted
+from marlaas.events import JOB_RECORD, POLICY, EventDecodeError, JobRecord, JobState, PolicyCommitted
 from marlaas.sdk.schema import EvalInfo, JobInfo, VersionInfo
+
+log = structlog.get_logger("gateway")
 
 # <tenant>.<slug>: both parts subject-safe, so an id can never widen a subject filter
 JOB_ID = re.compile(r"^([a-z0-9][a-z0-9-]{0,31})\.[a-z0-9][a-z0-9-]{0,63}$")
@@ -68,8 +71,17 @@ async def read_messages(bus: Bus, stream: str, subject: str, *, last_per_subject
 
 
 def _records(msgs: list[Msg]) -> list[JobRecord]:
-    return [JOB_RECORD.decode(m.data) for m in msgs
-            if m.data and not (m.headers and m.headers.get(_KV_OPERATION))]
+    """The readable job records among ``msgs``; one that cannot be read is logged and skipped,
+    so it hides only itself, never every tenant's list."""
+    out = []
+    for m in msgs:
+        if not m.data or (m.headers and m.headers.get(_KV_OPERATION)):
+            continue
+        try:
+            out.append(JOB_RECORD.decode(m.data))
+        except EventDecodeError as exc:
+            log.error("unreadable job record skipped", subject=m.subject, error=str(exc))
+    return out
 
 
 async def tenant_records(bus: Bus, tenant: str) -> list[JobRecord]:

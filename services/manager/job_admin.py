@@ -21,7 +21,7 @@ import structlog
 
 from marlaas import api
 from marlaas.bus import JOBS_BUCKET, SAMPLED_BUCKET, VERSIONS_BUCKET, Bus
-from marlaas.events import JOB_RECORD, JobRecord, JobState
+from marlaas.events import JOB_RECORD, JobRecord, JobSpec, JobState
 from marlaas.store import ObjectStore
 from marlaas.tenants import get_tenant
 
@@ -66,6 +66,17 @@ async def quota_refusal(bus: Bus, tenant: str, unfinished_jobs: list[JobRecord])
         return ""
     return (f"tenant {tenant!r} already has {unfinished} jobs queued or running, its quota (max_jobs = "
             f"{record.max_jobs}): wait for one to finish or cancel one (`marlaas cancel JOB`), then submit again")
+
+
+async def size_refusal(bus: Bus, spec: JobSpec) -> str:
+    """Why ``spec`` is larger than its tenant may run ("" = it is not): samples per version above
+    the tenant's ``max_samples``. A tenant without a record is not limited."""
+    record = await get_tenant(bus, spec.tenant)
+    samples = spec.grpo.prompts_per_step * spec.grpo.group_size
+    if record is None or samples <= record.max_samples:
+        return ""
+    return (f"grpo.prompts_per_step x grpo.group_size = {samples} samples per version, above tenant "
+            f"{spec.tenant!r}'s quota (max_samples = {record.max_samples}): lower either")
 
 
 async def pin_version(manager: Manager, data: bytes) -> api.PinReply:

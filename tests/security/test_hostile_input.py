@@ -70,3 +70,14 @@ async def test_a_version_in_another_scripts_digits_pins_nothing(acme, bus, file_
                                           f"(a committed version, in the digits 0-9, e.g. 3), not {version!r}")
     assert JOB_RECORD.decode((await bus.kv_get(JOBS_BUCKET, spec.id)).value).pinned == []
     assert (await acme.post(f"/v1/jobs/{spec.id}/versions/3/pin")).json()["pinned"] == [3]
+
+
+async def test_an_unreadable_job_record_hides_only_itself(acme, bus, file_store, config):
+    manager = await asyncio.to_thread(Manager, bus, file_store, config)
+    spec = JobSpec(id="acme.job-ok", tenant="acme", name="ok", task="addition", steps=2, submitted_at=time.time())
+    await bus.kv_create(JOBS_BUCKET, spec.id, encode(JobRecord(spec=spec, state=JobState.RUNNING, version=1)))
+    await bus.kv_create(JOBS_BUCKET, "acme.job-junk", b'{"stream": "JOBS", "seq": 7}')  # a PubAck, say
+    status = await manager.status(b"{}")
+    assert [j.id for j in status.jobs] == ["acme.job-ok"] and not status.error
+    listed = await acme.get("/v1/jobs")
+    assert listed.status_code == 200 and [j["id"] for j in listed.json()] == ["acme.job-ok"]

@@ -41,7 +41,7 @@ from marlaas.tenants import TenantError
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
-VICTIM = {"task": "reverse", "steps": 6, "seed": 3, "name": "victim",
+VICTIM = {"task": "reverse", "steps": 10, "seed": 3, "name": "victim",
           "grpo": {"prompts_per_step": 4, "group_size": 4}}
 SMALL = {"task": "reverse", "steps": 2, "seed": 4, "grpo": {"prompts_per_step": 2, "group_size": 2}}
 GIVE_UP_S = 8.0
@@ -298,6 +298,14 @@ def test_deep_nesting_is_a_400(stack, url, tokens, body, content_type):
     answer = httpx.post(f"{url}/v1/jobs", content=body,
                         headers={**bearer(tokens["mallory"]), "Content-Type": content_type}, timeout=30)
     assert answer.status_code == 400 and "nested more than 32 levels" in answer.json()["error"]
+    assert jobs_of(stack) == before
+
+
+def test_a_job_larger_than_the_tenants_sample_quota_is_refused(stack, mallory):
+    before = jobs_of(stack)
+    with pytest.raises(BadRequest, match=r"4096 samples per version, above tenant 'mallory'.s quota "
+                                         r"\(max_samples = 256\)"):
+        mallory.submit({**SMALL, "grpo": {"prompts_per_step": 64, "group_size": 64}})
     assert jobs_of(stack) == before
 
 
