@@ -29,6 +29,7 @@ from marlaas.events import (
     GrpoSettings,
     JobEvaluated,
     JobFailureReported,
+    JobWarningReported,
     JobRecord,
     JobSpec,
     JobState,
@@ -86,6 +87,8 @@ EXAMPLES = [
     (JOB_RECORD, JobRecord(spec=SPEC, state=JobState.COMPLETED, version=40, rewards=[0.1, 0.4],
                            kv_cache_bytes=1 << 20, admitted_at=100.6, first_commit_at=105.0,
                            last_commit_at=180.0, finished_at=181.0)),
+    (JOB, JobWarningReported(job=SPEC.id, service="rollout", key="tool acme.weather",
+                             warning="not answering since 12:00:00", at=1.5)),
 ]
 
 
