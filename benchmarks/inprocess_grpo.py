@@ -107,7 +107,8 @@ async def sample_batch(engine, fmt: ConversationFormat, config: Config, spec: Jo
                                       for j in range(grpo.group_size)))
     generated = time.perf_counter()
     texts = [engine.tokenizer.decode(e.ids[len(e.prompt_ids):], skip_special_tokens=True) for e in episodes]
-    rewards = [float(task.reward(problems[k // grpo.group_size], t)) for k, t in enumerate(texts)]
+    finals = [engine.tokenizer.decode(e.final_turn_ids, skip_special_tokens=True) for e in episodes]
+    rewards = [float(task.reward(problems[k // grpo.group_size], t)) for k, t in enumerate(finals)]  # as rollout
     samples = [e.to_sample(group=k // grpo.group_size, reward=r, text=t)
                for k, (e, r, t) in enumerate(zip(episodes, rewards, texts))]
     tokens = sum(len(s.ids) for e in episodes for s in e.segments if s.kind == "sampled")

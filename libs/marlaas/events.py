@@ -34,6 +34,10 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
 # --- job specs ---------------------------------------------------------------------------
 
 
+# what becomes of an episode that ends before the model answered (length, max_tool_calls, context_full)
+TRUNCATED_MODES = ("train", "zero", "drop")
+
+
 class GrpoSettings(Wire):
     """How one job samples and updates: GRPO groups, clipping, KL, optimizer."""
 
@@ -50,6 +54,10 @@ class GrpoSettings(Wire):
     # benchmarks: every turn runs to its token budget (EOS is sampled like any token, and the turn
     # goes on after it), so completion length is fixed; the logprobs stay the policy's own
     ignore_eos: bool = False
+    # an episode that ended by length, max_tool_calls or context_full: "train" = scored and trained
+    # like any other; "zero" = reward 0 (a penalty for not answering); "drop" = left out of the batch
+    # (DAPO's overlong filtering: not trained on, not part of its group's baseline)
+    truncated: str = "train"
 
 
 class LoraSettings(Wire):

@@ -26,7 +26,7 @@ from marlaas.config import Config
 from marlaas.events import (
     COMMITTED, JOB, JOB_RECORD, METRIC, POLICY, EventDecodeError, CommittedVersion, EvalPoint, JobEvaluated, JobFailureReported, JobRecord, JobWarningReported,
     JobSpec,
-    JobState, JobStateChanged, JobSubmitted, RewardRequest, encode,
+    JobState, JobStateChanged, JobSubmitted, RewardRequest, TRUNCATED_MODES, encode,
 )
 from marlaas.files import DataFiles
 from marlaas.runtime import Runtime
@@ -118,6 +118,10 @@ class Manager:
             (not 0 < g.learning_rate < 1, "grpo.learning_rate must be in (0, 1)"),
             (not 0 < g.clip_eps < 1, "grpo.clip_eps must be in (0, 1)"),
             (g.kl_coef < 0, "grpo.kl_coef must be >= 0"),
+            (g.truncated not in TRUNCATED_MODES, f"grpo.truncated must be one of {', '.join(TRUNCATED_MODES)} "
+             f"(what becomes of an episode cut off before it answered), not {g.truncated!r}"),
+            (g.ignore_eos and g.truncated != "train", "grpo.ignore_eos makes every episode end by length "
+             "(truncated): with it, grpo.truncated must be 'train'"),
             (not 1 <= lora.rank <= rc.max_lora_rank,
              f"lora.rank must be between 1 and {rc.max_lora_rank} (rollout.max_lora_rank)"),
             (g.max_new_tokens < 0, "grpo.max_new_tokens must be >= 0 (0 = the task's own budget); its "

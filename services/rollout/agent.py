@@ -7,26 +7,36 @@ tag. The call is parsed from the decoded sampled ids, sent to ``marlaas.tool.<ns
 episode waits on a tool, the engine keeps generating every other episode of every job.
 
 Nothing a tool or the model does raises out of an episode: a timeout, a tool error, an
-unknown tool, a call that is not JSON or a reply that is not a tool result becomes an
-observation the model reads. An episode ends when the model answers (no call), runs out
-of its turn budget, reaches its task's call limit, or would overflow the context.
+unknown tool, a call that is not JSON (or too long, too deeply nested, with a number no
+parser takes) or a reply that is not a tool result becomes an observation the model reads
+(see :func:`marlaas.tools.protocol.parse_call` for the edge cases). A result is cut to the
+task's ``max_observation_tokens`` by characters before it is tokenized, and tokenized in a
+worker thread: a tool that sends megabytes never stalls other episodes. An episode ends when
+the model answers (no call), runs out of its turn budget, reaches its task's call limit, or
+would overflow the context.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import structlog
+
 from marlaas.events import TOOL, EventDecodeError, ToolCall, ToolResult, ToolSpec, encode
 from marlaas.tools.protocol import (
-    CALL_CLOSE, RESPONSE_CLOSE, RESPONSE_OPEN, TRUNCATED, CallError, ParsedCall, escape_result, parse_call,
+    CALL_CLOSE, RESPONSE_CLOSE, RESPONSE_OPEN, TRUNCATED, CallError, ParsedCall, cut_result, escape_result,
+    parse_call,
 )
 from marlaas.tools.registry import qualify, tool_subject
 from services.rollout.engine import PolicyEngine
 from services.rollout.episode import Episode
 from services.rollout.utilization import Utilization
+
+log = structlog.get_logger("rollout")
 
 # (subject, request bytes, timeout) -> reply bytes; raises TimeoutError when nobody answers in time
 Request = Callable[[str, bytes, float], Awaitable[bytes]]
@@ -68,9 +78,13 @@ class ConversationFormat:
         return self.markup_ids(head) + self.text_ids(prompt) + self.markup_ids(tail)
 
     def observation_ids(self, result: str, max_tokens: int) -> list[int]:
-        """The observation after a call: the result, tags defused, cut to ``max_tokens`` with a marker."""
+        """The observation after a call: the result, tags defused, cut to ``max_tokens`` with a marker.
+
+        The text is cut by characters first (:func:`cut_result`), so the cost is bounded by
+        ``max_tokens`` whatever the result's size."""
+        result, cut = cut_result(result, max_tokens)
         body = self.text_ids(escape_result(result))
-        if len(body) > max_tokens:
+        if cut or len(body) > max_tokens:
             marker = self.text_ids(TRUNCATED)
             body = body[: max(max_tokens - len(marker), 0)] + marker
         return self.markup_ids(self.obs_head) + body + self.markup_ids(self.obs_tail)
@@ -159,7 +173,7 @@ async def run_episode(engine: PolicyEngine, fmt: ConversationFormat, prompt_ids:
             episode.cached_tokens.append(turn.cached_tokens)
         episode.add_turn(turn.token_ids, turn.logprobs)
         text = fmt.tokenizer.decode(turn.token_ids, skip_special_tokens=True)  # the sampled ids, not .text
-        call = parse_call(text) if turn.finish_reason == "stop" and limits.max_tool_calls else None
+        call = read_call(text, tools.job) if turn.finish_reason == "stop" and limits.max_tool_calls else None
         if call is None:
             episode.end_reason = "answer" if turn.finish_reason == "stop" else "length"
             return episode
@@ -172,11 +186,24 @@ async def run_episode(engine: PolicyEngine, fmt: ConversationFormat, prompt_ids:
             result, ok = f"error: {call.message}", False
         else:
             result, ok = await tools.call(call)
+            if call.note:  # first, so that cutting a long result never hides it
+                result = f"{call.note}\n{result}"
         episode.tool_wait_s += time.monotonic() - started
         episode.tool_successes += ok
         episode.tool_errors += not ok
-        observation = fmt.observation_ids(result, limits.max_observation_tokens)
+        observation = await asyncio.to_thread(fmt.observation_ids, result, limits.max_observation_tokens)
         if len(episode) + len(observation) + 1 >= limits.max_total_tokens:
             episode.end_reason = "context_full"
             return episode
         episode.add_observation(observation)
+
+
+def read_call(text: str, job: str) -> ParsedCall | CallError | None:
+    """:func:`parse_call`, and should it ever raise (it is written not to), the call becomes an
+    error the model sees: one model output must never fail its job's batch."""
+    try:
+        return parse_call(text)
+    except Exception as exc:  # noqa: BLE001 -- deliberately tolerated, and logged with the job
+        log.error("the tool-call parser raised; the call is answered with an error", job=job,
+                  error=repr(exc)[:300], turn_chars=len(text))
+        return CallError(f"the tool call could not be read ({type(exc).__name__})")

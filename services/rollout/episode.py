@@ -6,6 +6,11 @@ produced for one turn, with the engine's logprobs; trained, loss mask 1) and
 logprob 0). The ids of the next turn's request are exactly the ids so far: nothing the
 model generated is ever decoded and re-tokenized. ``to_sample`` checks that ids, mask
 and logprobs line up before the batch leaves rollout.
+
+A reward judges only the model's own final turn (``final_turn_ids``), never a tool's output,
+whatever the chat template. An episode that did not end with an answer (``length``,
+``max_tool_calls``, ``context_full``) is *truncated*; the job's ``grpo.truncated`` says what
+happens to it (:func:`settle_truncated`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from marlaas.events import Sample
 
 SegmentKind = Literal["sampled", "observation"]
 END_REASONS = ("answer", "length", "max_tool_calls", "context_full")
+TRUNCATED_REASONS = ("length", "max_tool_calls", "context_full")
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,17 @@ class Episode:
     def turns(self) -> int:
         return sum(s.kind == "sampled" for s in self.segments)
 
+    @property
+    def truncated(self) -> bool:
+        """Whether the episode stopped before the model answered (out of tokens, calls or context)."""
+        return self.end_reason in TRUNCATED_REASONS
+
+    @property
+    def final_turn_ids(self) -> list[int]:
+        """The ids of the model's last turn: all a reward sees (no tool output, no template markup)."""
+        sampled = [s for s in self.segments if s.kind == "sampled"]
+        return list(sampled[-1].ids) if sampled else []
+
     def add_turn(self, ids: list[int], logprobs: list[float]) -> None:
         self.segments.append(Segment("sampled", list(ids), list(logprobs)))
 
@@ -74,6 +91,35 @@ class Episode:
         assert len(completion) == len(mask) == len(logprobs), "episode segments out of line"
         return Sample(group=group, prompt_ids=list(self.prompt_ids), completion_ids=completion,
                       logprobs=logprobs, loss_mask=mask, reward=reward, text=text)
+
+
+def to_score(episodes: list[Episode], mode: str) -> list[bool]:
+    """Which episodes the reward judges: all of them under ``"train"``; under ``"zero"`` and
+    ``"drop"`` only those that ended with an answer (the others' scores are settled without it)."""
+    return [mode == "train" or not e.truncated for e in episodes]
+
+
+def settle_truncated(episodes: list[Episode], scores: list[float | None], mode: str) -> list[float | None]:
+    """Each episode's reward under the job's ``grpo.truncated``; None means left out of the batch.
+
+    ``scores`` holds the reward's judgement of each episode ``to_score`` picked (None for the
+    rest). ``"train"``: every episode keeps its score. ``"zero"``: a truncated episode gets 0.
+    ``"drop"``: a truncated episode is left out of the batch (DAPO's overlong filtering: its tokens
+    are not trained on and it does not move its group's baseline). Its group keeps the group
+    number; the trainer normalizes each group over the members it has (a group of one, or of
+    equal rewards, gets advantage 0).
+    """
+    if mode not in ("train", "zero", "drop"):
+        raise ValueError(f"grpo.truncated must be 'train', 'zero' or 'drop', not {mode!r}")
+    out: list[float | None] = []
+    for episode, score in zip(episodes, scores, strict=True):
+        if mode == "train" or not episode.truncated:
+            if score is None:
+                raise ValueError(f"episode ending by {episode.end_reason!r} was not scored")
+            out.append(score)
+        else:
+            out.append(0.0 if mode == "zero" else None)
+    return out
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:

@@ -35,7 +35,7 @@ from marlaas.tools.registry import reward_subject
 from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
 from services.rollout.announcements import Reaction, plan_announcement
 from services.rollout.engine import PolicyEngine
-from services.rollout.episode import Episode, episode_metrics
+from services.rollout.episode import Episode, episode_metrics, settle_truncated, to_score
 from services.rollout.liveness import Liveness
 from services.rollout.rounds import SyncRounds, round_members
 
@@ -198,9 +198,7 @@ class Rollout:
                     episodes = await asyncio.gather(*(
                         self.episode(spec, task, ids, lora, version, i, 0, temperature=0.0)
                         for i, ids in enumerate(prompt_ids)))
-            texts = [self.engine.tokenizer.decode(e.ids[len(e.prompt_ids):], skip_special_tokens=True)
-                     for e in episodes]
-            rewards = await self.rewards(spec, problems, [[t] for t in texts])
+            rewards = await self.rewards(spec, [(p, self.final_turn(e)) for p, e in zip(problems, episodes)])
         except (TaskError, PoisonMessage, EventDecodeError, TimeoutError) as exc:  # an eval never fails the training
             log.warning("evaluation failed; training goes on", job=spec.id, version=version, error=str(exc))
             return
@@ -284,14 +282,19 @@ class Rollout:
                 attrs["tokens"] = sum(len(seg.ids) for e in episodes for seg in e.segments if seg.kind == "sampled")
                 metrics = episode_metrics(episodes) if task.kind == "agentic" else {}
                 attrs.update(metrics)
-        texts = [self.engine.tokenizer.decode(e.ids[len(e.prompt_ids):], skip_special_tokens=True)
-                 for e in episodes]
+        texts = [self.transcript(e) for e in episodes]
+        scored = to_score(episodes, grpo.truncated)
         async with span(self.bus, SERVICE, "reward", spec.id, version) as attrs:
-            groups = [texts[i * grpo.group_size:(i + 1) * grpo.group_size] for i in range(len(problems))]
-            rewards = await self.rewards(spec, problems, groups)
-            attrs["rewards_sha"] = digest([round(r, 6) for r in rewards])
+            pairs = [(problems[k // grpo.group_size], self.final_turn(e))
+                     for k, (e, s) in enumerate(zip(episodes, scored)) if s]
+            judged = iter(await self.rewards(spec, pairs))
+            rewards = settle_truncated(episodes, [next(judged) if s else None for s in scored], grpo.truncated)
+            attrs["rewards_sha"] = digest([None if r is None else round(r, 6) for r in rewards])
         samples = [e.to_sample(group=k // grpo.group_size, reward=r, text=t)
-                   for k, (e, r, t) in enumerate(zip(episodes, rewards, texts))]
+                   for k, (e, r, t) in enumerate(zip(episodes, rewards, texts)) if r is not None]
+        if task.kind == "agentic" or grpo.truncated != "train":
+            metrics["episode/truncated"] = float(sum(e.truncated for e in episodes))
+            metrics["episode/dropped"] = float(len(episodes) - len(samples))
         if not all(math.isfinite(lp) for s in samples for lp in s.logprobs):  # JSON would carry null:
             raise PoisonMessage(f"the engine returned a non-finite logprob at version {version}; "  # unreadable
                                 "the batch is not published")
@@ -331,9 +334,19 @@ class Rollout:
 
         return request
 
-    async def rewards(self, spec: JobSpec, problems: list[dict], groups: list[list[str]]) -> list[float]:
-        """Scores of every completion (flattened in group order) by the task's or the job's reward."""
-        items = [RewardItem(problem=p, completion=text) for p, g in zip(problems, groups) for text in g]
+    def transcript(self, episode: Episode) -> str:
+        """Everything after the prompt, as text (the sample's ``text``, for people to read)."""
+        return self.engine.tokenizer.decode(episode.ids[len(episode.prompt_ids):], skip_special_tokens=True)
+
+    def final_turn(self, episode: Episode) -> str:
+        """What a reward judges: the model's own last turn, never a tool's output or template markup."""
+        return self.engine.tokenizer.decode(episode.final_turn_ids, skip_special_tokens=True)
+
+    async def rewards(self, spec: JobSpec, pairs: list[tuple[dict, str]]) -> list[float]:
+        """Scores of each (problem, completion) by the task's or the job's reward."""
+        if not pairs:  # every episode was settled without a reward (grpo.truncated)
+            return []
+        items = [RewardItem(problem=p, completion=text) for p, text in pairs]
         request = RewardRequest(job=spec.id, task=spec.task, items=items, dataset=spec.dataset or "",
                                 corpus=spec.corpus or "", tenant=spec.tenant)
         subject = reward_subject(spec.reward) if spec.reward else f"marlaas.reward.{spec.task}"

@@ -240,12 +240,10 @@ class PolicyTrainer:
             raise NonFiniteUpdate(f"weights became non-finite after the step at version {hot.version}")
         hot.version += 1
         rewards_B = torch.tensor([s.reward for s in batch.samples], dtype=torch.float32)
-        metrics = {
-            "reward/mean": rewards_B.mean().item(),
-            "reward/std": rewards_B.std(unbiased=False).item(),
-            **losses,
-            "grad_norm": float(grad_norm),
-        }
+        # a batch whose every episode was dropped (grpo.truncated = "drop") has no reward to report
+        rewards = {"reward/mean": rewards_B.mean().item(),
+                   "reward/std": rewards_B.std(unbiased=False).item()} if len(batch.samples) else {}
+        metrics = {**rewards, **losses, "grad_norm": float(grad_norm)}
         return StepResult(*self.export(job), metrics=metrics)
 
     def accumulate_gradients(self, job: str, batch: TrajectoryBatch, settings: GrpoSettings) -> dict[str, float]:

@@ -112,7 +112,7 @@ class Trainer:
             attrs["adapter_version"] = adapter_version
             attrs.update({k: v for k, v in result.metrics.items()})
         log.info("trained", job=job, version=version, batch_id=event.batch_id,
-                 reward=round(result.metrics["reward/mean"], 4), loss=round(result.metrics["loss"], 4))
+                 reward=round(result.metrics.get("reward/mean", float("nan")), 4), loss=round(result.metrics["loss"], 4))
 
         latest = await read_job(self.bus, job)
         if latest is None or latest.record.state.finished:  # cancelled while it trained

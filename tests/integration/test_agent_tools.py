@@ -9,11 +9,13 @@ request, so the test also sees that each turn re-enters with exactly the ids so 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from transformers import AutoTokenizer
 
 from marlaas.basemodel import builtin_model_dir
+from marlaas.events import TOOL, ToolResult, encode
 from marlaas.tools import tool
 from marlaas.tools.protocol import render_call
 from marlaas.tools.sdk import ToolError, serve_tools
@@ -63,6 +65,12 @@ def broken(x: int) -> str:
 
 
 @tool
+def echo(text: str) -> str:
+    """Say the text back."""
+    return text
+
+
+@tool
 def binary() -> bytes:
     """Returns bytes, which are not text."""
     return b"\x00\x01"
@@ -70,22 +78,27 @@ def binary() -> bytes:
 
 @pytest.fixture
 async def served(bus):
-    tools = await serve_tools(bus, [add, slow, broken, binary], "acme")
+    tools = await serve_tools(bus, [add, slow, broken, binary, echo], "acme")
 
     async def garbage(data: bytes) -> bytes:  # a process that answers with something else entirely
         return b"\xff not a tool result"
 
+    async def flood(data: bytes) -> bytes:  # a tenant's own process (not the SDK, which caps output)
+        call = TOOL.decode(data)
+        return encode(ToolResult(call_id=call.call_id, output="z" * 900_000))  # under the 1 MB payload
+
     await bus.serve("marlaas.tool.acme.garbage", "tool-acme", garbage)
+    await bus.serve("marlaas.tool.acme.flood", "tool-acme", flood)
     yield bus
     await tools.stop()
 
 
 async def episode_with(bus, call_text: str, tools=("acme.add", "acme.slow", "acme.broken", "acme.binary",
-                                                      "acme.garbage")):
+                                                      "acme.garbage", "acme.echo", "acme.flood"), limits=LIMITS):
     engine = ScriptedEngine([call_text, "done"])
     prompt = FMT.prompt_ids("q=", [])
-    box = ToolBox("acme.job-1", list(tools), bus.request, LIMITS.tool_timeout_s)
-    episode = await run_episode(engine, FMT, prompt, tools=box, limits=LIMITS, temperature=1.0, lora=None,
+    box = ToolBox("acme.job-1", list(tools), bus.request, limits.tool_timeout_s)
+    episode = await run_episode(engine, FMT, prompt, tools=box, limits=limits, temperature=1.0, lora=None,
                                 seed=lambda turn: turn)
     observation = TOKENIZER.decode(episode.segments[1].ids)
     # the episode went on: a second turn, whose request held exactly the ids of everything before it
@@ -142,3 +155,49 @@ async def test_the_call_limit_ends_an_episode_cleanly(served):
     episode = await run_episode(engine, FMT, FMT.prompt_ids("q=", []), tools=box, limits=LIMITS,
                                 temperature=1.0, lora=None, seed=lambda turn: turn)
     assert episode.tool_calls == 3 and episode.end_reason == "max_tool_calls" and episode.turns == 4
+
+
+@pytest.mark.timeout(90)
+async def test_no_model_output_and_no_tool_output_breaks_an_episode_or_stalls_the_loop(served):
+    """Each malformed output of issue 24 runs as a real episode (tools over NATS): the call ends
+    as an observation the model reads, the episode goes on to its answer, and a ~1 MB result is
+    cut before tokenizing, in a worker thread, while the event loop keeps ticking."""
+    roomy = EpisodeLimits(max_new_tokens=96, max_tool_calls=3, max_observation_tokens=200,
+                          max_total_tokens=20_000, tool_timeout_s=5.0)
+    nested = "[" * 1_200 + "]" * 1_200
+    cases = {  # the model's turn -> what its tool response says
+        "deep nesting": ('<tool_call>{"name":"acme.add","arguments":{"a":' + nested + "}}</tool_call>",
+                         "nests brackets more than 32 deep"),
+        "huge integer": ('<tool_call>{"name":"acme.add","arguments":{"a":' + "9" * 4_301 + ',"b":1}}</tool_call>',
+                         "not valid JSON"),
+        "open tag in a string": (render_call("acme.echo", {"text": "say <tool_call> twice"}),
+                                 "say &lt;tool_call> twice"),
+        "closing tag in code": ('<tool_call>{"name":"acme.echo","arguments":{"text":"print(\'</tool_call>',
+                                "write it as <\\/tool_call>"),
+        "text after the tag": (render_call("acme.add", {"a": 2, "b": 3}) + "\nand more", "<tool_response>5<"),
+        "two calls": (render_call("acme.add", {"a": 1, "b": 1}) + render_call("acme.add", {"a": 4, "b": 4}),
+                      "only the first call of a turn runs"),
+    }
+    for name, (turn, says) in cases.items():
+        episode, observation = await episode_with(served, turn, limits=roomy)
+        assert says in observation, (name, observation[:300])
+    _, observation = await episode_with(served, cases["two calls"][0], limits=roomy)
+    assert "\n2</tool_response>" in observation and "8" not in observation  # the first call ran, only it
+
+    longest_gap = 0.0
+
+    async def ticker(stop: asyncio.Event) -> None:
+        nonlocal longest_gap
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            longest_gap, last = max(longest_gap, now - last), now
+
+    stop = asyncio.Event()
+    ticking = asyncio.create_task(ticker(stop))
+    episode, observation = await episode_with(served, render_call("acme.flood", {}), limits=roomy)
+    stop.set()
+    await ticking
+    assert observation.endswith("...[truncated]</tool_response>") and len(episode.segments[1].ids) <= 240
+    assert longest_gap < 0.5, f"the event loop stalled {longest_gap:.2f}s on a 900 kB tool result"

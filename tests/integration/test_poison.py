@@ -258,6 +258,18 @@ async def test_every_integer_of_a_submission_is_range_checked_and_nothing_is_cre
     assert await bus.kv_keys(JOBS_BUCKET) == []
 
 
+
+async def test_grpo_truncated_is_checked_at_submit_and_kept_in_the_spec(bus, manager):
+    bad = await manager.submit(submission("typo", grpo={"truncated": "dorp"}))
+    assert bad.code == api.INVALID and "grpo.truncated must be one of train, zero, drop" in bad.error
+    fixed_length = await manager.submit(submission("bench", grpo={"truncated": "drop", "ignore_eos": True}))
+    assert fixed_length.code == api.INVALID and "with it, grpo.truncated must be 'train'" in fixed_length.error
+    assert await bus.kv_keys(JOBS_BUCKET) == []
+    ok = await manager.submit(submission("dropping", grpo={"truncated": "drop"}))
+    assert not ok.error and (await record_of(bus, ok.id)).spec.grpo.truncated == "drop"
+    default = await manager.submit(submission("default"))
+    assert (await record_of(bus, default.id)).spec.grpo.truncated == "train"
+
 async def test_a_tenants_reward_is_refused_at_submit_unless_it_is_served_right_now(bus, manager):
     refused = await manager.submit(submission("unserved", reward="acme.length"))
     assert refused.code == api.INVALID and not refused.id

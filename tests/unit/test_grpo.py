@@ -161,3 +161,14 @@ def test_lower_side_clipping_stops_the_gradient_of_a_negative_advantage():
     out.loss.backward()
     assert new.grad.abs().item() == 0.0
     assert out.clip_fraction == 1.0
+
+
+def test_a_group_with_dropped_members_is_normalized_over_those_left():
+    """grpo.truncated = "drop" leaves a group's truncated samples out of the batch: the group keeps
+    its number and its baseline is the mean of the members that answered."""
+    rewards = torch.tensor([1.0, 0.0, 0.4, 0.6])  # group 0 lost two of four; group 1 lost three of four
+    groups = torch.tensor([0, 0, 2, 1])  # group 2 kept one; groups need not be contiguous or complete
+    adv = group_advantages(rewards, groups)
+    assert torch.allclose(adv[:2], torch.tensor([1.0, -1.0]), atol=1e-3)
+    assert adv[2] == 0 and adv[3] == 0  # a group of one has no baseline to beat: no signal
+    assert group_advantages(torch.tensor([]), torch.tensor([], dtype=torch.long)).numel() == 0  # all dropped

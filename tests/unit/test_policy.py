@@ -68,6 +68,17 @@ def test_grpo_steps_raise_the_rewarded_completion(base_dir, v0):
     assert math.isfinite(result.metrics["loss"]) and result.metrics["reward/mean"] == 0.25
 
 
+
+def test_a_batch_whose_every_episode_was_dropped_still_steps_without_a_reward(base_dir, v0):
+    """grpo.truncated = "drop" can leave a version no sample: the step commits with no gradient
+    and no reward figure (the manager records rewards only where there is one)."""
+    trainer = PolicyTrainer(base_dir)
+    trainer.load("t.job", 0, *v0, None, SETTINGS)
+    result = trainer.train_step("t.job", TrajectoryBatch(samples=[]), SETTINGS)
+    assert trainer.hot_version("t.job") == 1
+    assert "reward/mean" not in result.metrics and result.metrics["tokens"] == 0
+    assert all(math.isfinite(v) for v in result.metrics.values())
+
 def test_a_cold_job_resumes_exactly_from_its_exported_state(base_dir, v0):
     first = PolicyTrainer(base_dir)
     first.load("t.job", 0, *v0, None, SETTINGS)
