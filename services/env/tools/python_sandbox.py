@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import fcntl
 import json
 import math
@@ -151,7 +152,7 @@ async def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
         python = _interpreter() if bwrap or uid is not None else sys.executable
         make_argv = ((lambda fd: _bwrap_argv(bwrap, python, code, limits, fd)) if bwrap
                      else (lambda fd: [python, "-I", "-c", code]))
-        params = {"uid": uid, "chdir": workdir, "rlimits": _rlimits(limits, uid, groups),
+        params = {"env_pid": os.getpid(), "uid": uid, "chdir": workdir, "rlimits": _rlimits(limits, uid, groups),
                   "cgroup_procs": groups.procs_files if groups else []}
         run = await _run(make_argv, params, limits, bwrap is not None, groups, uid)
         if uid is not None and (left := await asyncio.to_thread(_sweep_uid, uid)):
@@ -517,7 +518,8 @@ def _report(fd: int, **fields) -> None:
 
 
 def _launch() -> None:
-    """Join the run's cgroups, set its rlimits, become its uid, exec bwrap (or python)."""
+    """Join the run's cgroups, set its rlimits, become its uid, then run bwrap as a child and reap
+    (or, isolation "none", exec python)."""
     params = json.loads(sys.stdin.buffer.read())
     fd = params["status_fd"]
     try:
@@ -544,12 +546,50 @@ def _launch() -> None:
             os.chdir(params["chdir"])
         os.umask(0o077)
         argv = params["argv"]
-        os.set_inheritable(fd, "--json-status-fd" in argv)  # bwrap's; never the code's
-        env = {} if "--clearenv" in argv else {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"}
-        os.execve(argv[0], argv, env)
+        bwrapped = "--json-status-fd" in argv
+        os.set_inheritable(fd, bwrapped)  # bwrap's; never the code's
+        env = {} if bwrapped else {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"}
+        if not bwrapped:
+            os.execve(argv[0], argv, env)
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setresuid, which clears it
+        if os.getppid() != params["env_pid"]:
+            raise RuntimeError("the env exited")
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        bwrap = os.fork()
     except Exception as exc:
         _report(fd, error=f"{type(exc).__name__}: {exc}")
         os._exit(LAUNCHER_FAILED)
+    if bwrap == 0:
+        try:
+            os.execve(argv[0], argv, env)
+        finally:
+            os._exit(LAUNCHER_FAILED)
+    os.close(fd)
+    _reap_all(bwrap)
+
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
+
+
+def _reap_all(bwrap: int) -> None:
+    """Reap bwrap and, as the subreaper, its namespace's init once bwrap exits (bwrap does not
+    wait for it: it is killed by ``--die-with-parent`` and would otherwise be left a zombie for
+    the host's PID 1); exit with bwrap's status when no child is left."""
+    code = LAUNCHER_FAILED
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            os._exit(code)
+        if pid == bwrap:
+            code = os.waitstatus_to_exitcode(status) % 256
 
 
 if __name__ == "__main__":
