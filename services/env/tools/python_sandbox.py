@@ -115,8 +115,8 @@ class SandboxRun:
 
 
 def bwrap_path() -> str | None:
-    """The bubblewrap binary, or None where it is not installed."""
-    return shutil.which("bwrap", path="/usr/bin:/bin:/usr/local/bin:" + os.environ.get("PATH", ""))
+    """The bubblewrap binary on the env's PATH, or None where it is not installed."""
+    return shutil.which("bwrap", path=os.environ.get("PATH", os.defpath))
 
 
 async def check_isolation(isolation: Isolation) -> None:
