@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from dataclasses import replace
@@ -26,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from marlaas.config import load_config
+from services.env.tools import python_tool, sandbox_limits
 from services.env.tools.python_sandbox import SandboxLimits, run_python
 
 AS_ROOT = os.geteuid() == 0
@@ -42,6 +46,28 @@ def env_limits(**changes) -> SandboxLimits:
 
 async def run(source: str, **changes):
     return await run_python(textwrap.dedent(source).strip(), env_limits(**changes))
+
+
+@pytest.fixture
+def open_dir():
+    """A host directory any uid may traverse (pytest's ``tmp_path`` sits under a 0700 one, which
+    alone would stop another uid and prove nothing about the sandbox)."""
+    path = Path(tempfile.mkdtemp(prefix="marlaas-sandbox-test-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def marker():
+    """A name the test's runs put on what they create; whatever a failed sandbox lets through to
+    the host's shared directories is removed afterwards."""
+    name = secrets.token_hex(8)
+    yield name
+    for d in ("/tmp", "/dev/shm", "/var/tmp"):
+        for path in Path(d).glob(f"*{name}*"):
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def processes_of(uid: int) -> set[int]:
@@ -79,8 +105,7 @@ async def while_running(victim_code: str, attack, start_after_s: float = 0.8, **
 # --- other runs ----------------------------------------------------------------------------------
 
 
-async def test_a_run_cannot_read_or_overwrite_another_live_runs_files():
-    marker = secrets.token_hex(8)
+async def test_a_run_cannot_read_or_overwrite_another_live_runs_files(marker):
     victim = f"""
         import glob, os, time
         for d in (".", "/tmp", "/dev/shm"):
@@ -169,7 +194,8 @@ async def test_concurrent_runs_never_share_a_uid_and_none_is_root():
 # --- the host and the env ------------------------------------------------------------------------
 
 
-async def test_host_secret_files_cannot_be_read(tmp_path):
+async def test_host_secret_files_cannot_be_read(open_dir):
+    tmp_path = open_dir
     secret = tmp_path / "secret.key"
     secret.write_text("host-secret-" + secrets.token_hex(8))
     secret.chmod(0o600)
@@ -189,21 +215,25 @@ async def test_host_secret_files_cannot_be_read(tmp_path):
     assert result.stdout.count("refused") == 6
 
 
-async def test_the_envs_environment_cannot_be_read(monkeypatch):
+async def test_the_envs_environment_cannot_be_read_through_the_tool(monkeypatch):
     fake = "fake-secret-" + secrets.token_hex(8)
     monkeypatch.setenv("MARLAAS_S3_SECRET_KEY", fake)
     monkeypatch.setenv("MARLAAS_NATS_URL", f"nats://services:{fake}@127.0.0.1:4222")
-    result = await run(f"""
+    code = textwrap.dedent(f"""
         import os
-        print(sorted(os.environ))
+        print(sorted(k for k in os.environ if k != "LC_CTYPE"))
         for pid in ({os.getpid()}, {os.getppid()}, 1, "self"):
             try:
                 print(pid, open(f"/proc/{{pid}}/environ", "rb").read())
             except OSError as exc:
                 print(pid, "refused", type(exc).__name__)
     """)
-    assert fake not in result.stdout
-    assert result.stdout.splitlines()[0] in ("['LANG', 'LC_CTYPE', 'PATH', 'PWD']", "['LANG', 'PATH', 'PWD']")
+    env = load_config(env={}).env
+    python = python_tool(sandbox_limits(env), env.python_isolation)  # as env builds and calls it
+    output = await python.call(json.dumps({"code": code}))
+    assert fake not in output
+    assert output.splitlines()[0] == "['LANG', 'PATH', 'PWD']"
+    assert f"{os.getpid()} refused FileNotFoundError" in output
 
 
 async def test_the_env_process_cannot_be_signalled():
@@ -300,9 +330,8 @@ async def test_dns_lookups_fail():
     assert "no name resolution" in result.stdout and "no answer" in result.stdout
 
 
-async def test_a_path_unix_socket_the_host_listens_on_is_unreachable(tmp_path):
-    tmp_path.chmod(0o755)
-    path = tmp_path / "env.sock"
+async def test_a_path_unix_socket_the_host_listens_on_is_unreachable(open_dir):
+    path = open_dir / "env.sock"
     with socket.socket(socket.AF_UNIX) as server:
         server.bind(str(path))
         path.chmod(0o777)
@@ -396,19 +425,19 @@ async def test_one_huge_allocation_fails_inside_the_run():
     assert "allocated" not in result.stdout and "MemoryError" in result.stderr
 
 
-async def test_the_private_tmp_is_size_limited():
-    result = await run("""
+async def test_the_private_tmp_is_size_limited(marker):
+    result = await run(f"""
         written = 0
         try:
-            for i in range(100):
-                with open(f"/dev/shm/fill-{i}", "wb") as f:
+            for i in range(12):  # 96 MiB, past the 32 MiB tmpfs
+                with open(f"/dev/shm/fill-{marker}-{{i}}", "wb") as f:
                     f.write(b"x" * (8 << 20))
                 written += 8
         except OSError as exc:
             print("stopped after", written, "MiB", exc.errno)
     """, timeout_s=8)
     stopped = result.stdout.split()
-    assert stopped[:2] == ["stopped", "after"] and int(stopped[2]) <= 64
+    assert stopped[:2] == ["stopped", "after"] and int(stopped[2]) <= env_limits().tmpfs_mb
 
 
 async def test_an_output_flood_is_cut_and_killed():
@@ -431,8 +460,7 @@ async def test_a_sleep_is_killed_at_the_wall_clock_and_nothing_is_left():
     assert processes_of(result.uid) == set()
 
 
-async def test_no_file_or_process_outlives_the_run():
-    marker = secrets.token_hex(8)
+async def test_no_file_or_process_outlives_the_run(marker):
     first = await run(f"""
         import os, subprocess, time
         for d in ("/tmp", "/dev/shm", "/var/tmp", "."):
