@@ -30,36 +30,32 @@ Without root, all runs share the env's uid and get no per-run process or memory 
 output notes it). ``isolation = "none"`` (an operator's explicit choice) runs the code
 directly: rlimits, a temp dir and an empty environment only, no namespaces.
 
-This module imports only the standard library: its ``__main__`` is the launcher that joins
-the run's cgroups, sets its rlimits, drops to its uid and execs bwrap (or python).
+The parts: this module (the env's side: bwrap's arguments, output capture, timeouts, the
+report), ``sandbox_host.py`` (the run's uid slot and cgroups) and ``sandbox_launcher.py`` (the
+process between the env and bwrap that joins the cgroups, sets the rlimits and drops to the uid).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import fcntl
 import json
 import math
 import os
-import resource
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from services.env.tools.sandbox_host import RunCgroups, SlotError, sweep_uid, uid_slot
+from services.env.tools.sandbox_launcher import SANDBOX_PATH
+
 Isolation = Literal["bwrap", "none"]
-LAUNCHER_FAILED = 125
-SANDBOX_UID_BASE = 1_500_000_000  # far above login users and the usual subuid ranges (100000+)
-SANDBOX_UID_SLOTS = 65_536
-SLOT_DIR = Path("/run/marlaas-sandbox")  # lock files: a slot's uid is live while its lock is held
-SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")  # run as a script: standard library only
 
 
 class SandboxError(RuntimeError):
@@ -142,8 +138,8 @@ async def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
     if isolation == "bwrap" and bwrap is None:
         raise SandboxUnavailable("bubblewrap (`bwrap`) is not installed")
     with contextlib.ExitStack() as cleanup:
-        uid = cleanup.enter_context(_uid_slot()) if os.geteuid() == 0 else None
-        groups = cleanup.enter_context(_RunCgroups.create(uid, limits)) if uid is not None else None
+        uid = cleanup.enter_context(_reserved_uid()) if os.geteuid() == 0 else None
+        groups = cleanup.enter_context(RunCgroups.create(uid, limits.memory_mb, limits.processes)) if uid is not None else None
         workdir = None
         if bwrap is None:
             workdir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="marlaas-python-"))
@@ -155,7 +151,7 @@ async def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
         params = {"env_pid": os.getpid(), "uid": uid, "chdir": workdir, "rlimits": _rlimits(limits, uid, groups),
                   "cgroup_procs": groups.procs_files if groups else []}
         run = await _run(make_argv, params, limits, bwrap is not None, groups, uid)
-        if uid is not None and (left := await asyncio.to_thread(_sweep_uid, uid)):
+        if uid is not None and (left := await asyncio.to_thread(sweep_uid, uid)):
             run.notes.append(f"{left} leftover process(es) of the run killed")
         return run
 
@@ -189,7 +185,7 @@ def _interpreter() -> str:
                              "and /usr/bin/python3)")
 
 
-def _rlimits(limits: SandboxLimits, uid: int | None, groups: _RunCgroups | None) -> dict[str, list[int]]:
+def _rlimits(limits: SandboxLimits, uid: int | None, groups: RunCgroups | None) -> dict[str, list[int]]:
     cpu_s = _cpu_seconds(limits)
     rlimits = {"RLIMIT_AS": [limits.memory_mb << 20] * 2,
                "RLIMIT_CPU": [cpu_s, cpu_s + 1],  # SIGXCPU at the soft limit, SIGKILL after
@@ -205,14 +201,14 @@ def _cpu_seconds(limits: SandboxLimits) -> int:
 
 
 async def _run(make_argv, params: dict, limits: SandboxLimits, bwrapped: bool,
-               groups: _RunCgroups | None, uid: int | None) -> SandboxRun:
+               groups: RunCgroups | None, uid: int | None) -> SandboxRun:
     loop = asyncio.get_running_loop()
     capture = _Capture(loop, limits)
     status_r, status_w = os.pipe()
     params = {**params, "status_fd": status_w, "argv": make_argv(status_w)}
     try:
         transport, _ = await loop.subprocess_exec(
-            lambda: capture, sys.executable, "-I", "-S", os.path.abspath(__file__),
+            lambda: capture, sys.executable, "-I", "-S", str(LAUNCHER),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True, pass_fds=(status_w,), env={},
         )
@@ -259,7 +255,7 @@ async def _run(make_argv, params: dict, limits: SandboxLimits, bwrapped: bool,
 
 
 def _describe(capture: _Capture, returncode: int | None, killed: str, limits: SandboxLimits,
-              groups: _RunCgroups | None, uid: int | None) -> SandboxRun:
+              groups: RunCgroups | None, uid: int | None) -> SandboxRun:
     oom = groups is not None and groups.oom_killed()
     if capture.flooded and not killed:
         killed = f"output over {limits.flood_bytes} bytes"
@@ -366,231 +362,9 @@ def _kill_group(pgid: int) -> None:
 
 
 @contextlib.contextmanager
-def _uid_slot():
-    """A host uid no other live run has: a slot whose lock file this process holds (flock, so a
-    crashed env's slots free themselves). Yields the uid."""
-    SLOT_DIR.mkdir(mode=0o700, exist_ok=True)
-    if SLOT_DIR.stat().st_uid != 0 or SLOT_DIR.is_symlink():
-        raise SandboxError(f"{SLOT_DIR} is not a directory owned by root")
-    for slot in range(SANDBOX_UID_SLOTS):  # the lowest free slot: as many lock files as runs at once
-        fd = os.open(SLOT_DIR / f"slot-{slot}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        uid = SANDBOX_UID_BASE + slot
-        try:
-            _sweep_uid(uid)  # a run of a crashed env could linger under this uid
-            yield uid
-        finally:
-            os.close(fd)
-        return
-    raise SandboxError(f"all {SANDBOX_UID_SLOTS} sandbox uids are in use")
-
-
-def _sweep_uid(uid: int) -> int:
-    """SIGKILL every process whose real, effective or saved uid is ``uid``; how many there were."""
-    killed = 0
-    for _ in range(50):
-        found = []
-        for entry in os.scandir("/proc"):
-            if entry.name.isdigit():
-                with contextlib.suppress(OSError):
-                    fields = dict(line.split(b":", 1) for line in
-                                  Path(f"/proc/{entry.name}/status").read_bytes().splitlines() if b":" in line)
-                    zombie = fields.get(b"State", b"").split()[:1] == [b"Z"]  # dead already; its parent reaps it
-                    if not zombie and str(uid).encode() in fields.get(b"Uid", b"").split()[:3]:
-                        found.append(int(entry.name))
-        if not found:
-            return killed
-        for pid in found:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        killed = max(killed, len(found))
-        time.sleep(0.02)
-    return killed
-
-
-class _RunCgroups:
-    """The run's own cgroup(s), holding its memory and process totals (v1 ``memory`` + ``pids``,
-    or v2 where the env's cgroup delegates both); an empty set where neither is possible."""
-
-    def __init__(self, dirs: list[Path], version: int) -> None:
-        self.dirs = dirs
-        self.version = version
-
-    @property
-    def procs_files(self) -> list[str]:
-        return [str(d / "cgroup.procs") for d in self.dirs]
-
-    @classmethod
-    @contextlib.contextmanager
-    def create(cls, uid: int, limits: SandboxLimits):
-        groups = cls._make(f"marlaas-sandbox-{uid}", limits)
-        try:
-            yield groups
-        finally:
-            groups.kill_all()
-            for d in groups.dirs:
-                with contextlib.suppress(OSError):
-                    d.rmdir()
-
-    @classmethod
-    def _make(cls, name: str, limits: SandboxLimits) -> _RunCgroups:
-        own = _own_cgroups()
-        memory = limits.memory_mb << 20
-        if "memory" in own and "pids" in own:  # v1
-            dirs = [Path("/sys/fs/cgroup/memory") / own["memory"].lstrip("/") / name,
-                    Path("/sys/fs/cgroup/pids") / own["pids"].lstrip("/") / name]
-            settings = [{"memory.limit_in_bytes": memory}, {"pids.max": limits.processes}]
-            with contextlib.suppress(OSError):
-                return cls._write(dirs, settings, 1)
-        if "" in own:  # v2: usable only where the env's cgroup already delegates memory and pids
-            base = next((p for p in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
-                         if (p / "cgroup.subtree_control").exists()), None)
-            if base is not None:
-                parent = base / own[""].lstrip("/")
-                with contextlib.suppress(OSError):
-                    if {"memory", "pids"} <= set((parent / "cgroup.subtree_control").read_text().split()):
-                        return cls._write([parent / name], [{"memory.max": memory, "memory.swap.max": 0,
-                                                             "pids.max": limits.processes}], 2)
-        return cls([], 0)
-
-    @classmethod
-    def _write(cls, dirs: list[Path], settings: list[dict], version: int) -> _RunCgroups:
-        made = []
-        try:
-            for d, values in zip(dirs, settings):
-                d.mkdir(exist_ok=True)
-                made.append(d)
-                for key, value in values.items():
-                    if key != "memory.swap.max" or (d / key).exists():
-                        (d / key).write_text(str(value))
-        except OSError:
-            for d in made:
-                with contextlib.suppress(OSError):
-                    d.rmdir()
-            raise
-        return cls(dirs, version)
-
-    def kill_all(self) -> None:
-        """SIGKILL whatever is still in the run's cgroups, until they are empty."""
-        for _ in range(100):
-            pids = set()
-            for procs in self.procs_files:
-                with contextlib.suppress(OSError):
-                    pids |= {int(p) for p in Path(procs).read_text().split()}
-            if not pids:
-                return
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.01)
-
-    def oom_killed(self) -> bool:
-        for d in self.dirs:
-            for name in ("memory.oom_control", "memory.events"):
-                with contextlib.suppress(OSError):
-                    for line in (d / name).read_text().splitlines():
-                        key, _, value = line.partition(" ")
-                        if key == "oom_kill" and int(value) > 0:
-                            return True
-        return False
-
-
-def _own_cgroups() -> dict[str, str]:
-    """This process's cgroup per v1 controller (and ``""`` for v2), from /proc/self/cgroup."""
-    found = {}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            for controller in controllers.split(","):
-                found[controller] = path
-    return found
-
-
-# --- the launcher: runs in the child, between the env and bwrap; standard library only ----------
-
-
-def _report(fd: int, **fields) -> None:
-    os.write(fd, (json.dumps(fields) + "\n").encode())  # one small write: atomic on a pipe
-
-
-def _launch() -> None:
-    """Join the run's cgroups, set its rlimits, become its uid, then run bwrap as a child and reap
-    (or, isolation "none", exec python)."""
-    params = json.loads(sys.stdin.buffer.read())
-    fd = params["status_fd"]
+def _reserved_uid():
     try:
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.close(devnull)
-        for procs in params["cgroup_procs"]:
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-        for name, (soft, hard) in params["rlimits"].items():
-            which = getattr(resource, name)
-            _, current = resource.getrlimit(which)
-            if current != resource.RLIM_INFINITY:  # an unprivileged process cannot raise its hard limit
-                soft, hard = min(soft, current), min(hard, current)
-            resource.setrlimit(which, (soft, hard))
-        if params["uid"] is not None:
-            uid = params["uid"]
-            os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)
-            if os.getresuid() != (uid, uid, uid):
-                raise RuntimeError("could not drop privileges")
-        if params["chdir"]:
-            os.chdir(params["chdir"])
-        os.umask(0o077)
-        argv = params["argv"]
-        bwrapped = "--json-status-fd" in argv
-        os.set_inheritable(fd, bwrapped)  # bwrap's; never the code's
-        env = {} if bwrapped else {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"}
-        if not bwrapped:
-            os.execve(argv[0], argv, env)
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setresuid, which clears it
-        if os.getppid() != params["env_pid"]:
-            raise RuntimeError("the env exited")
-        _prctl(PR_SET_CHILD_SUBREAPER, 1)
-        bwrap = os.fork()
-    except Exception as exc:
-        _report(fd, error=f"{type(exc).__name__}: {exc}")
-        os._exit(LAUNCHER_FAILED)
-    if bwrap == 0:
-        try:
-            os.execve(argv[0], argv, env)
-        finally:
-            os._exit(LAUNCHER_FAILED)
-    os.close(fd)
-    _reap_all(bwrap)
-
-
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
-
-
-def _prctl(option: int, value: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(option, value, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
-
-
-def _reap_all(bwrap: int) -> None:
-    """Reap bwrap and, as the subreaper, its namespace's init once bwrap exits (bwrap does not
-    wait for it: it is killed by ``--die-with-parent`` and would otherwise be left a zombie for
-    the host's PID 1); exit with bwrap's status when no child is left."""
-    code = LAUNCHER_FAILED
-    while True:
-        try:
-            pid, status = os.wait()
-        except ChildProcessError:
-            os._exit(code)
-        if pid == bwrap:
-            code = os.waitstatus_to_exitcode(status) % 256
-
-
-if __name__ == "__main__":
-    _launch()
+        with uid_slot() as uid:
+            yield uid
+    except SlotError as exc:
+        raise SandboxError(str(exc)) from None
