@@ -549,8 +549,27 @@ def test_without_bwrap_env_does_not_serve_python_and_says_why(tmp_path):
         print(sorted(t.name for t in asyncio.run(builtin_tools(config))))
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PATH": str(tmp_path)})
+                          env={**os.environ, "PATH": str(tmp_path)}, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "['calculator', 'search']"
     assert "python_tool_not_served" in done.stdout + done.stderr
     assert "bubblewrap" in done.stdout + done.stderr
+
+
+def test_isolation_none_is_served_only_when_set_and_warned_about(tmp_path):
+    """``env.python_isolation = "none"``: served even without bwrap, with a warning at start."""
+    script = textwrap.dedent(f"""
+        import asyncio
+        from marlaas.config import load_config
+        from services.env.tools import builtin_tools
+        config = load_config(overrides={{"home": {str(tmp_path)!r}, "env.python_isolation": "none"}}, env={{}})
+        tools = {{t.name: t for t in asyncio.run(builtin_tools(config))}}
+        print(sorted(tools))
+        print(asyncio.run(tools["python"].call('{{"code": "import os; print(len(os.sched_getaffinity(0)) > 0)"}}')))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": str(tmp_path)}, check=False)
+    assert done.returncode == 0, done.stderr
+    logged = done.stdout + done.stderr
+    assert "['calculator', 'python', 'search']" in logged and "True\n[exit code 0]" in logged
+    assert "python_tool_unisolated" in logged
