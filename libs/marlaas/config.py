@@ -115,7 +115,11 @@ class EnvConfig(Section):
     tool_latency_s: dict[str, float | list[float]] = {}
     # wall clock (CPU seconds likewise); under rollout.tool_timeout_s, so a killed run is still reported
     python_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
-    python_memory_mb: Annotated[int, msgspec.Meta(ge=64)] = 512  # address-space limit of the sandbox
+    python_memory_mb: Annotated[int, msgspec.Meta(ge=64)] = 512  # a run's memory (cgroup) and address space
+    # how the python tool isolates a run: "bwrap" (bubblewrap: namespaces, its own uid, a cgroup;
+    # without a working bwrap env does not serve `python`, and submitting a job naming it fails) or
+    # "none" (no namespaces, the operator's explicit choice: env logs a warning at start)
+    python_isolation: Literal["bwrap", "none"] = "bwrap"
     search_corpus: str = ""  # a JSONL file of {"id", "title"?, "text"}; "" = the shipped corpus
     search_top_k: Annotated[int, msgspec.Meta(ge=1, le=20)] = 3
     search_cached_indexes: Annotated[int, msgspec.Meta(ge=1)] = 4  # jobs' corpora kept indexed in memory

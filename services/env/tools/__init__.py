@@ -12,14 +12,19 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import structlog
+
 from marlaas.bus import Bus
 from marlaas.config import Config, EnvConfig
 from marlaas.files import DataFiles, FileMissing, is_file_id
 from marlaas.tools import BUILTIN, DEFAULT_CORPUS, ServedTools, Tool, ToolError, serve_tools, tool
 from services.env.tools.calculator import CalculatorError, calculate, format_value
 from services.env.tools.latency import InjectedLatency
-from services.env.tools.python_sandbox import SandboxError, SandboxLimits, run_python
+from services.env.tools.python_sandbox import (Isolation, SandboxError, SandboxLimits, SandboxUnavailable,
+                                               check_isolation, run_python)
 from services.env.tools.search import MAX_K, CorpusError, CorpusIndexes, SearchIndex, render_results
+
+log = structlog.get_logger("env.tools")
 
 
 def calculator_tool() -> Tool:
@@ -72,7 +77,7 @@ def search_tool(index: SearchIndex, default_k: int, job_corpora: CorpusIndexes |
     return search
 
 
-def python_tool(limits: SandboxLimits) -> Tool:
+def python_tool(limits: SandboxLimits, isolation: Isolation = "bwrap") -> Tool:
     @tool(name="python")
     async def python(code: str) -> str:
         """Run Python 3 code in a sandbox (no network, limited time and memory) and return its
@@ -82,7 +87,7 @@ def python_tool(limits: SandboxLimits) -> Tool:
             code: a complete Python program.
         """
         try:
-            run = await run_python(code, limits)
+            run = await run_python(code, limits, isolation)
         except SandboxError as exc:
             raise ToolError(str(exc)) from None
         return run.render()
@@ -92,6 +97,22 @@ def python_tool(limits: SandboxLimits) -> Tool:
 
 def sandbox_limits(env: EnvConfig) -> SandboxLimits:
     return SandboxLimits(timeout_s=env.python_timeout_s, memory_mb=env.python_memory_mb)
+
+
+async def checked_python_tool(env: EnvConfig) -> Tool | None:
+    """The python tool, or None (logged as an error) where its configured isolation is unavailable:
+    env then serves its other tools, and a job naming ``python`` is refused at submit."""
+    if env.python_isolation == "none":
+        log.warning("python_tool_unisolated", isolation="none",
+                    detail="env.python_isolation = \"none\": model code runs without namespaces, as the "
+                           "host sees it (rlimits and a temp dir only)")
+        return python_tool(sandbox_limits(env), "none")
+    try:
+        await check_isolation(env.python_isolation)
+    except SandboxUnavailable as exc:
+        log.error("python_tool_not_served", isolation=env.python_isolation, reason=str(exc))
+        return None
+    return python_tool(sandbox_limits(env), env.python_isolation)
 
 
 def search_cache_dir(config: Config) -> Path:
@@ -105,8 +126,9 @@ async def builtin_tools(config: Config, files: DataFiles | None = None) -> list[
     corpus = Path(config.env.search_corpus).expanduser() if config.env.search_corpus else DEFAULT_CORPUS
     index = await asyncio.to_thread(SearchIndex.open, corpus, search_cache_dir(config))
     job_corpora = CorpusIndexes(search_cache_dir(config), config.env.search_cached_indexes)
-    return [calculator_tool(), search_tool(index, config.env.search_top_k, job_corpora, files),
-            python_tool(sandbox_limits(config.env))]
+    python = await checked_python_tool(config.env)
+    return [calculator_tool(), search_tool(index, config.env.search_top_k, job_corpora, files)] + (
+        [python] if python is not None else [])
 
 
 async def serve_builtin_tools(bus: Bus, config: Config, files: DataFiles | None = None) -> ServedTools:

@@ -1,52 +1,38 @@
-"""The ``python`` tool's sandbox: run a model's code in a locked-down child process.
+"""The ``python`` tool's sandbox: run a model's code under bubblewrap, one locked-down run each.
 
-How (no containers; after the field note in DESIGN.md): the env starts a small launcher
-(this file, run as ``python -I -S python_sandbox.py``, in a new session). The launcher
-unshares a new network and PID namespace and sets rlimits; its child, PID 1 of the new
-namespace, drops to an unprivileged user, enters a fresh temporary directory and starts
-``python -I -c CODE`` with an empty environment, then reaps orphans until the code exits.
-The env reads stdout / stderr with a cap, enforces a wall-clock timeout, and deletes the
-directory afterwards.
+The code is untrusted (a policy a tenant steers writes it), so each run gets, with
+``isolation = "bwrap"`` (the default; ``bwrap`` is the Debian package ``bubblewrap``):
 
-What it guarantees when the env runs as root (the embedded stack, the tests here):
+- its own user, mount, PID, IPC, UTS and network namespaces (``bwrap --unshare-all
+  --unshare-user``), and no user namespaces inside it (``--disable-userns``);
+- a read-only root holding only ``/usr`` (and the ``/bin``, ``/lib`` links into it): no
+  ``/etc``, ``/home``, ``/root``, ``/var``, ``/run``, ``/sys`` or project files; a fresh
+  ``/proc`` that shows only the run's own processes; a minimal ``/dev``; a private,
+  size-limited tmpfs at ``/tmp`` (the working directory) and ``/dev/shm``, gone with the run;
+- when the env runs as root, its own host uid (``SANDBOX_UID_BASE`` + a slot held under a
+  lock file, so no two live runs share one, across env processes too), no groups;
+- ``no_new_privs`` (bwrap sets it: setuid binaries do not elevate), a new session (no
+  terminal injection), an empty environment but ``PATH`` and ``LANG``, ``python -I``;
+- per-run memory and process limits from a cgroup of its own (v1 ``memory`` + ``pids``, or
+  v2 where the env's cgroup delegates both) when the env is root; otherwise the fallback:
+  ``RLIMIT_AS`` per process plus ``RLIMIT_NPROC`` on the run's unique uid, which bounds a
+  run's memory by ``memory_mb x processes``. Always: CPU seconds per process, file size, open
+  files, no core dumps, a wall-clock timeout, output kept to ``output_bytes`` per stream and
+  killed past ``flood_bytes``;
+- nothing left after it: the PID namespace's init is killed first (the kernel kills the rest
+  and bwrap reaps it), then the run's cgroup and every process of its uid are swept before
+  the uid is handed to another run. ``--die-with-parent`` kills the run if the env dies.
 
-- no network: a new, empty network namespace (not even loopback is up), so every connect
-  fails, to 127.0.0.1 as to the internet;
-- bounded resources: address space (``memory_mb``: allocations past it raise MemoryError),
-  CPU seconds per process (``cpu_s``, default ``ceil(timeout_s)``: SIGXCPU), file size
-  (``file_size_mb``), open files, processes of the sandbox user (``processes``: a fork bomb
-  stops there), no core dumps;
-- bounded time: after ``timeout_s`` of wall clock the run is killed (sleeps, blocked reads
-  and busy loops alike);
-- nothing outlives the run: when the code's main process ends or is killed, the kernel kills
-  every process left in its PID namespace (children that called ``setsid`` included), and
-  they are reaped there, leaving no zombies behind;
-- bounded output: each stream keeps ``output_bytes`` (then a visible truncation marker); a
-  run that writes more than ``flood_bytes`` in all is killed;
-- the code runs as ``nobody`` (not root) with an empty environment, ``-I`` (no user site,
-  no ``PYTHON*`` variables), stdin at /dev/null, and cwd a fresh empty directory (mode 0700)
-  that is deleted afterwards; it cannot write to files it does not own unless they are
-  world-writable.
+What it does NOT guarantee: protection from kernel exploits and side channels (this is not a
+VM, and there is no seccomp filter); reads of what ``/usr`` holds (world-readable system files
+and packages); CPU share between concurrent runs (each may use a core until its limits).
+Without root, all runs share the env's uid and get no per-run process or memory total (the
+output notes it). ``isolation = "none"`` (an operator's explicit choice) runs the code
+directly: rlimits, a temp dir and an empty environment only, no namespaces.
 
-What it does NOT guarantee:
-
-- reads: the code can read every world-readable file (/etc, the installed Python, the
-  project's source) and see the machine's processes in /proc (no mount namespace);
-- world-writable places (/tmp, /dev/shm) stay writable, within the file-size limit, and
-  what it writes there is not cleaned up;
-- the process limit counts every process of the sandbox user on the machine, so concurrent
-  runs share it;
-- CPU time is limited per process: a run with several busy processes uses several cores
-  until the wall-clock timeout;
-- the interpreter is the first of (the env's own, /usr/bin/python3, /usr/local/bin/python3)
-  that the sandbox user may execute: the env virtualenv's packages may be missing;
-- kernel exploits and side channels: this is not a VM, a seccomp filter or a cgroup.
-
-Without root: no user switch and no process limit, and namespaces only where unshare() is
-permitted; the output notes each protection that is missing. Without a PID namespace only
-the process group is killed, so a child that called ``setsid`` can outlive the run.
-
-This module imports only the standard library: its ``__main__`` is the launcher.
+The parts: this module (the env's side: bwrap's arguments, output capture, timeouts, the
+report), ``sandbox_host.py`` (the run's uid slot and cgroups) and ``sandbox_launcher.py`` (the
+process between the env and bwrap that joins the cgroups, sets the rlimits and drops to the uid).
 """
 
 from __future__ import annotations
@@ -56,24 +42,28 @@ import contextlib
 import json
 import math
 import os
-import pwd
-import resource
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
 
-CLONE_NEWNET = 0x40000000
-CLONE_NEWPID = 0x20000000
-LAUNCHER_FAILED = 125
-SANDBOX_USER = "nobody"
-NOBODY_ID = 65534
+from services.env.tools.sandbox_host import RunCgroups, SlotError, sweep_uid, uid_slot
+from services.env.tools.sandbox_launcher import SANDBOX_PATH
+
+Isolation = Literal["bwrap", "none"]
+LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")  # run as a script: standard library only
 
 
 class SandboxError(RuntimeError):
     """The sandbox itself could not run the code (not a failure of the code)."""
+
+
+class SandboxUnavailable(SandboxError):
+    """The configured isolation cannot be provided on this machine."""
 
 
 @dataclass(frozen=True)
@@ -82,10 +72,11 @@ class SandboxLimits:
 
     timeout_s: float = 5.0  # wall clock
     cpu_s: int = 0  # CPU seconds per process; 0 = ceil(timeout_s)
-    memory_mb: int = 512  # address space
+    memory_mb: int = 512  # the run's total (cgroup); also each process's address space
     file_size_mb: int = 16
+    tmpfs_mb: int = 32  # each of /tmp and /dev/shm (also counted in the run's memory)
     open_files: int = 64
-    processes: int = 64  # of the sandbox user, on the whole machine
+    processes: int = 64  # the run's total (cgroup pids, else RLIMIT_NPROC of its own uid)
     output_bytes: int = 16_384  # kept per stream
     flood_bytes: int = 8 << 20  # written in all, before the run is killed
     max_code_bytes: int = 100_000  # the code travels as one argv string
@@ -100,7 +91,7 @@ class SandboxRun:
     exit_code: int | None  # None when the process was killed by a signal
     killed: str = ""  # why it was stopped; "" when it ended by itself
     notes: list[str] = field(default_factory=list)
-    workdir: str = ""  # the (now deleted) working directory
+    uid: int | None = None  # the host uid the run had (None: the env's own)
 
     @property
     def outcome(self) -> str:
@@ -119,30 +110,107 @@ class SandboxRun:
 # --- the env's side ---------------------------------------------------------------------------
 
 
-async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRun:
+def bwrap_path() -> str | None:
+    """The bubblewrap binary on the env's PATH, or None where it is not installed."""
+    return shutil.which("bwrap", path=os.environ.get("PATH", os.defpath))
+
+
+async def check_isolation(isolation: Isolation) -> None:
+    """Raise :class:`SandboxUnavailable`, saying why and what to do, unless ``isolation`` works here."""
+    if isolation == "none":
+        return
+    if bwrap_path() is None:
+        raise SandboxUnavailable(
+            "bubblewrap is not installed (no `bwrap` on PATH): install the Debian package "
+            "`bubblewrap` (`make setup` does, as root), or set env.python_isolation = \"none\" "
+            "to run the python tool without isolation")
+    run = await run_python("print('ok')", SandboxLimits(timeout_s=10.0), isolation)
+    if run.stdout != "ok\n" or run.exit_code != 0:
+        raise SandboxUnavailable(f"bubblewrap cannot start a sandbox here: {run.render()[-600:]}")
+
+
+async def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
+                     isolation: Isolation = "bwrap") -> SandboxRun:
     """Run ``code`` in the sandbox and report its output and fate; never blocks the event loop."""
     if len(code.encode()) > limits.max_code_bytes:
         raise SandboxError(f"code is {len(code.encode())} bytes; the limit is {limits.max_code_bytes}")
-    user = _sandbox_user() if os.geteuid() == 0 else None
-    workdir = tempfile.mkdtemp(prefix="marlaas-python-")
-    try:
-        if user is not None:
-            os.chown(workdir, *user)
-        return await _run_in(workdir, code, limits, user)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    bwrap = bwrap_path() if isolation == "bwrap" else None
+    if isolation == "bwrap" and bwrap is None:
+        raise SandboxUnavailable("bubblewrap (`bwrap`) is not installed")
+    with contextlib.ExitStack() as cleanup:
+        uid = cleanup.enter_context(_reserved_uid()) if os.geteuid() == 0 else None
+        groups = cleanup.enter_context(RunCgroups.create(uid, limits.memory_mb, limits.processes)) if uid is not None else None
+        workdir = None
+        if bwrap is None:
+            workdir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="marlaas-python-"))
+            if uid is not None:
+                os.chown(workdir, uid, uid)
+        python = _interpreter() if bwrap or uid is not None else sys.executable
+        make_argv = ((lambda fd: _bwrap_argv(bwrap, python, code, limits, fd)) if bwrap
+                     else (lambda fd: [python, "-I", "-c", code]))
+        params = {"env_pid": os.getpid(), "uid": uid, "chdir": workdir, "rlimits": _rlimits(limits, uid, groups),
+                  "cgroup_procs": groups.procs_files if groups else []}
+        run = await _run(make_argv, params, limits, bwrap is not None, groups, uid)
+        if uid is not None and (left := await asyncio.to_thread(sweep_uid, uid)):
+            run.notes.append(f"{left} leftover process(es) of the run killed")
+        return run
 
 
-async def _run_in(workdir: str, code: str, limits: SandboxLimits,
-                  user: tuple[int, int] | None) -> SandboxRun:
+def _bwrap_argv(bwrap: str, python: str, code: str, limits: SandboxLimits, status_fd: int) -> list[str]:
+    tmpfs = str(limits.tmpfs_mb << 20)
+    argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+            "--new-session", "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+    for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        path = Path("/") / top
+        if path.is_symlink():
+            argv += ["--symlink", os.readlink(path), str(path)]
+        elif path.is_dir():
+            argv += ["--ro-bind", str(path), str(path)]
+    argv += ["--proc", "/proc", "--dev", "/dev",
+             "--perms", "1777", "--size", tmpfs, "--tmpfs", "/tmp",
+             "--perms", "1777", "--size", tmpfs, "--tmpfs", "/dev/shm",
+             "--remount-ro", "/", "--chdir", "/tmp", "--clearenv",
+             "--setenv", "PATH", SANDBOX_PATH, "--setenv", "LANG", "C.UTF-8",
+             "--json-status-fd", str(status_fd), "--", python, "-I", "-c", code]
+    return argv
+
+
+def _interpreter() -> str:
+    """A Python under /usr (the only tree the sandbox sees): the env's own when it lives there."""
+    own = os.path.realpath(sys.executable)
+    for candidate in (own, "/usr/local/bin/python3", "/usr/bin/python3"):
+        if candidate.startswith("/usr/") and os.access(candidate, os.X_OK):
+            return candidate
+    raise SandboxUnavailable("no python3 under /usr for the sandbox (looked for /usr/local/bin/python3 "
+                             "and /usr/bin/python3)")
+
+
+def _rlimits(limits: SandboxLimits, uid: int | None, groups: RunCgroups | None) -> dict[str, list[int]]:
+    cpu_s = _cpu_seconds(limits)
+    rlimits = {"RLIMIT_AS": [limits.memory_mb << 20] * 2,
+               "RLIMIT_CPU": [cpu_s, cpu_s + 1],  # SIGXCPU at the soft limit, SIGKILL after
+               "RLIMIT_FSIZE": [limits.file_size_mb << 20] * 2,
+               "RLIMIT_NOFILE": [limits.open_files] * 2, "RLIMIT_CORE": [0, 0]}
+    if uid is not None:  # the uid is the run's own, so this counts the run's processes only
+        rlimits["RLIMIT_NPROC"] = [limits.processes] * 2
+    return rlimits
+
+
+def _cpu_seconds(limits: SandboxLimits) -> int:
+    return limits.cpu_s or max(1, math.ceil(limits.timeout_s))
+
+
+async def _run(make_argv, params: dict, limits: SandboxLimits, bwrapped: bool,
+               groups: RunCgroups | None, uid: int | None) -> SandboxRun:
     loop = asyncio.get_running_loop()
     capture = _Capture(loop, limits)
     status_r, status_w = os.pipe()
+    params = {**params, "status_fd": status_w, "argv": make_argv(status_w)}
     try:
         transport, _ = await loop.subprocess_exec(
-            lambda: capture, sys.executable, "-I", "-S", os.path.abspath(__file__),
+            lambda: capture, sys.executable, "-I", "-S", str(LAUNCHER),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, pass_fds=(status_w,),
+            start_new_session=True, pass_fds=(status_w,), env={},
         )
     except BaseException:
         os.close(status_r)
@@ -152,8 +220,6 @@ async def _run_in(workdir: str, code: str, limits: SandboxLimits,
     status = _Status(status_r)
     launcher = transport.get_pid()
     capture.on_flood = lambda: _stop(status, launcher)
-    params = {"code": code, "workdir": workdir, "status_fd": status_w, "user": user,
-              "limits": asdict(limits), "pythons": _interpreters()}
     stdin = transport.get_pipe_transport(0)
     stdin.write(json.dumps(params).encode())
     stdin.close()
@@ -165,23 +231,32 @@ async def _run_in(workdir: str, code: str, limits: SandboxLimits,
     finally:  # also on cancellation: nothing of the run may outlive it
         if not capture.exited.done():
             _stop(status, launcher)
-            await capture.exited
-        if not status.read().get("pidns_isolated"):
-            _kill_group(launcher)  # no PID namespace: the process group is the best handle left
-        try:
+            try:  # bwrap reaps its namespace's init and exits; if it does not, kill it too
+                await asyncio.wait_for(asyncio.shield(capture.exited), 2.0)
+            except TimeoutError:
+                _kill_group(launcher)
+                await capture.exited
+        _kill_group(launcher)  # anything still in the run's session (isolation "none")
+        if groups is not None:
+            await asyncio.to_thread(groups.kill_all)
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(capture.closed), 1.0)
-        except TimeoutError:
-            pass  # a child that escaped the group (setsid) without a PID namespace
         transport.close()
         report = status.close()
     if "error" in report:
         raise SandboxError(f"the sandbox could not start: {report['error']}")
-    return _describe(capture, report, killed, limits, workdir, user)
+    if bwrapped and "child-pid" not in report:
+        raise SandboxError(f"bubblewrap could not start the sandbox: {capture.text(2, 'stderr')[-600:]}")
+    returncode = transport.get_returncode()
+    if bwrapped:  # bwrap reports a signal as 128 + its number, like a shell
+        code = report.get("exit-code")
+        returncode = 128 - code if code is not None and 128 < code <= 128 + 64 else code
+    return _describe(capture, returncode, killed, limits, groups, uid)
 
 
-def _describe(capture: _Capture, report: dict, killed: str, limits: SandboxLimits,
-              workdir: str, user: tuple[int, int] | None) -> SandboxRun:
-    returncode = report.get("returncode")
+def _describe(capture: _Capture, returncode: int | None, killed: str, limits: SandboxLimits,
+              groups: RunCgroups | None, uid: int | None) -> SandboxRun:
+    oom = groups is not None and groups.oom_killed()
     if capture.flooded and not killed:
         killed = f"output over {limits.flood_bytes} bytes"
     elif returncode is None and not killed:
@@ -189,23 +264,21 @@ def _describe(capture: _Capture, report: dict, killed: str, limits: SandboxLimit
     elif returncode is not None and returncode < 0 and not killed:
         sig = -returncode
         if sig == signal.SIGXCPU:
-            killed = f"CPU time limit ({_cpu_seconds(asdict(limits))} s)"
+            killed = f"CPU time limit ({_cpu_seconds(limits)} s)"
         elif sig == signal.SIGKILL:
-            killed = "SIGKILL (CPU time hard limit, or out of memory)"
+            killed = (f"out of memory (the run's {limits.memory_mb} MiB)" if oom
+                      else "SIGKILL (CPU time hard limit, or out of memory)")
         else:
             killed = f"signal {signal.Signals(sig).name}"
     stderr = capture.text(2, "stderr")
     notes = []
-    if "MemoryError" in stderr:
-        notes.append(f"memory limit reached ({limits.memory_mb} MiB of address space)")
-    for what in ("network", "pidns"):
-        if report.get(what, "isolated") != "isolated":
-            notes.append(f"{'processes' if what == 'pidns' else what} {report[what]}")
-    if user is None:
-        notes.append("not run as root: no user switch and no process limit")
+    if "MemoryError" in stderr or oom:
+        notes.append(f"memory limit reached ({limits.memory_mb} MiB)")
+    if uid is None:
+        notes.append("not run as root: runs share the env's uid, no per-run process limit")
     return SandboxRun(stdout=capture.text(1, "stdout"), stderr=stderr,
                       exit_code=returncode if returncode is not None and returncode >= 0 else None,
-                      killed=killed, notes=notes, workdir=workdir)
+                      killed=killed, notes=notes, uid=uid)
 
 
 class _Capture(asyncio.SubprocessProtocol):
@@ -245,7 +318,8 @@ class _Capture(asyncio.SubprocessProtocol):
 
 
 class _Status:
-    """The launcher's reports: JSON lines on a pipe, read without blocking whenever needed."""
+    """Reports on a pipe (the launcher's errors, bwrap's ``--json-status-fd`` documents), one
+    JSON object a line, read without blocking whenever needed."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -272,11 +346,12 @@ class _Status:
 
 
 def _stop(status: _Status, launcher: int) -> None:
-    """Kill the run: its PID namespace's init (the kernel kills the rest), else its process group."""
-    init = status.read().get("init") if status.report.get("pidns_isolated") else None
+    """Kill the run: its PID namespace's init (the kernel kills the rest, and bwrap, still alive,
+    reaps it and exits), or the launcher's process group before bwrap has started one."""
+    init = status.read().get("child-pid")
     if init:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(init, signal.SIGKILL)  # the launcher stays alive to reap init, then exits
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(init, signal.SIGKILL)
     else:
         _kill_group(launcher)
 
@@ -286,118 +361,10 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-def _sandbox_user() -> tuple[int, int]:
+@contextlib.contextmanager
+def _reserved_uid():
     try:
-        entry = pwd.getpwnam(SANDBOX_USER)
-        return entry.pw_uid, entry.pw_gid
-    except KeyError:
-        return NOBODY_ID, NOBODY_ID
-
-
-def _interpreters() -> list[str]:
-    candidates = [sys.executable, os.path.realpath(sys.executable),
-                  "/usr/bin/python3", "/usr/local/bin/python3"]
-    return list(dict.fromkeys(candidates))
-
-
-# --- the launcher: runs in the child, before the code; standard library only -------------------
-#
-# launcher (root, new session) --unshare(NET, PID)--> fork: init (PID 1 of the new namespace;
-# drops to the sandbox user) --> fork: the code (execve python -I -c CODE). init reaps every
-# orphan and exits when the code does; the kernel then kills whatever is left in the namespace.
-# The launcher waits for init and exits. Reports go to the env as JSON lines on ``status_fd``.
-
-
-def _unshare(flag: int) -> str:
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(flag) != 0:
-        return f"not isolated: unshare() failed: {os.strerror(ctypes.get_errno())}"
-    return "isolated"
-
-
-def _set_limit(which: int, soft: int, hard: int | None = None) -> None:
-    hard = soft if hard is None else hard
-    _, current = resource.getrlimit(which)
-    if current != resource.RLIM_INFINITY:  # an unprivileged process cannot raise its hard limit
-        soft, hard = min(soft, current), min(hard, current)
-    resource.setrlimit(which, (soft, hard))
-
-
-def _set_limits(limits: dict, as_root: bool) -> None:
-    """Limits for init and the code (the launcher is root and not bound by the process limit)."""
-    cpu_s = _cpu_seconds(limits)
-    _set_limit(resource.RLIMIT_AS, limits["memory_mb"] << 20)
-    _set_limit(resource.RLIMIT_CPU, cpu_s, cpu_s + 1)  # SIGXCPU at the soft limit, SIGKILL after
-    _set_limit(resource.RLIMIT_FSIZE, limits["file_size_mb"] << 20)
-    _set_limit(resource.RLIMIT_NOFILE, limits["open_files"])
-    _set_limit(resource.RLIMIT_CORE, 0)
-    if as_root:  # counted per user: only meaningful once the run is someone else
-        _set_limit(resource.RLIMIT_NPROC, limits["processes"])
-
-
-def _cpu_seconds(limits: dict) -> int:
-    return limits["cpu_s"] or max(1, math.ceil(limits["timeout_s"]))
-
-
-def _report(fd: int, **fields) -> None:
-    os.write(fd, (json.dumps(fields) + "\n").encode())  # one small write: atomic on a pipe
-
-
-def _launch() -> None:
-    params = json.loads(sys.stdin.buffer.read())
-    fd = params["status_fd"]
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    try:
-        network, pidns = _unshare(CLONE_NEWNET), _unshare(CLONE_NEWPID)
-        _set_limits(params["limits"], as_root=params["user"] is not None)
-    except Exception as exc:
-        _report(fd, error=f"{type(exc).__name__}: {exc}")
-        os._exit(LAUNCHER_FAILED)
-    _report(fd, network=network, pidns=pidns, pidns_isolated=pidns == "isolated")
-    init = os.fork()
-    if init == 0:
-        _run_init(params, fd)
-    _report(fd, init=init)
-    os.waitpid(init, 0)
-    os._exit(0)
-
-
-def _run_init(params: dict, fd: int) -> None:
-    try:
-        if params["user"] is not None:
-            uid, gid = params["user"]
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            if os.getuid() != uid or os.geteuid() != uid:
-                raise RuntimeError("could not drop privileges")
-        os.umask(0o077)
-        os.chdir(params["workdir"])
-        python = next((p for p in params["pythons"] if os.access(p, os.X_OK)), None)
-        if python is None:
-            raise RuntimeError(f"the sandbox user may run none of {params['pythons']}")
-        code = os.fork()
-    except Exception as exc:
-        _report(fd, error=f"{type(exc).__name__}: {exc}")
-        os._exit(LAUNCHER_FAILED)
-    if code == 0:
-        os.close(fd)
-        try:
-            os.execve(python, [python, "-I", "-c", params["code"]], {})
-        finally:
-            os.write(2, f"sandbox: cannot run {python}\n".encode())
-            os._exit(LAUNCHER_FAILED)
-    _report(fd, python=python)
-    while True:  # as PID 1, init inherits every orphan: reap them all until the code ends
-        pid, wait_status = os.wait()
-        if pid == code:
-            _report(fd, returncode=os.waitstatus_to_exitcode(wait_status))
-            os._exit(0)
-
-
-if __name__ == "__main__":
-    _launch()
+        with uid_slot() as uid:
+            yield uid
+    except SlotError as exc:
+        raise SandboxError(str(exc)) from None
