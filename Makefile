@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: setup
-	$(BIN)/python -m marlaas.demo
+	$(BIN)/python -m marlaas.cli.demo
 
 # Two workers, a test file each at a time: a stack's test waits on its services a good part
 # of the time, so two files share the two cores (docs/testing.md has the measurements). Files

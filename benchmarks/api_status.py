@@ -23,11 +23,11 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from marlaas.bus import JOBS_BUCKET, Bus
-from marlaas.config import load_config
-from marlaas.events import JobRecord, JobSpec, JobState, encode
-from marlaas.launcher import Stack
-from marlaas.tenants import add_tenant
+from marlaas.platform.bus import JOBS_BUCKET, Bus
+from marlaas.platform.config import load_config
+from marlaas.platform.events import JobRecord, JobSpec, JobState, encode
+from marlaas.stack.launcher import Stack
+from marlaas.platform.tenants import add_tenant
 
 TENANT = "bench"
 

@@ -29,10 +29,10 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from marlaas.adapters import init_adapter, materialize, write_adapter
-from marlaas.config import load_config
-from marlaas.events import LoraSettings
-from marlaas.store import FileStore
+from marlaas.platform.adapters import init_adapter, materialize, write_adapter
+from marlaas.platform.config import load_config
+from marlaas.platform.events import LoraSettings
+from marlaas.platform.store import FileStore
 
 PROMPT_IDS = [5, 6, 7, 8, 9, 10, 11, 12]
 

@@ -5,7 +5,7 @@
 Checks that ``services.trainer.policy.PolicyTrainer`` (``trainer.device = "cuda"``) trains a
 LoRA on CUDA, and measures a step there against the same step on this machine's CPU, in one
 run. Every case goes through the real path: ``PolicyTrainer(model_dir, device)``, ``load`` of a
-version-0 adapter from ``marlaas.adapters.init_adapter`` (rank 8, every projection), then
+version-0 adapter from ``marlaas.platform.adapters.init_adapter`` (rank 8, every projection), then
 ``train_step`` (micro-batches, chunked head logprobs, GRPO loss, clip, AdamW, export). Nothing
 of the step is re-implemented here.
 
@@ -125,7 +125,7 @@ def raw_batch(vocab: int, batch: Batch, seed: int = 1) -> list[dict]:
 def on_policy_batch(trainer, job: str, raw: list[dict], temperature: float):
     """The batch with the loaded adapter's own tempered logprobs as the sampling logprobs, scored by
     the trainer's ``_score`` (what the engine would report, up to the engine-vs-trainer gap)."""
-    from marlaas.events import Sample, TrajectoryBatch
+    from marlaas.platform.events import Sample, TrajectoryBatch
 
     blank = [Sample(**r, logprobs=[0.0] * len(r["completion_ids"]), loss_mask=[1] * len(r["completion_ids"]))
              for r in raw]
@@ -189,8 +189,8 @@ def run_case(case: Case, trainer, model_dir: Path, raw: list[dict], batch_cache:
     """Load a fresh version-0 adapter, train ``warmup + steps`` steps, measure and check."""
     from safetensors.torch import load as load_safetensors
 
-    from marlaas.adapters import init_adapter
-    from marlaas.events import GrpoSettings, LoraSettings
+    from marlaas.platform.adapters import init_adapter
+    from marlaas.platform.events import GrpoSettings, LoraSettings
     from services.trainer.grpo import micro_batches
 
     settings = GrpoSettings(temperature=1.0)

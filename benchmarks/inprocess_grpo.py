@@ -41,9 +41,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from marlaas.adapters import CONFIG_FILE, WEIGHTS_FILE, init_adapter
-from marlaas.config import Config, load_config
-from marlaas.events import GrpoSettings, JobSpec, TrajectoryBatch, encode
+from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE, init_adapter
+from marlaas.platform.config import Config, load_config
+from marlaas.platform.events import GrpoSettings, JobSpec, TrajectoryBatch, encode
 from marlaas.tasks import Task, get_task
 from marlaas.tools import BUILTIN, Tool, qualify, tool_subject
 from marlaas.tools.sdk import answer_tool_call

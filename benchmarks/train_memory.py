@@ -57,7 +57,7 @@ def make_batch(samples: int, completion: int, vocab: int):
     """Groups of 8 samples; completions of ``completion`` tokens, all trained, rewards in [0, 1]."""
     import torch
 
-    from marlaas.events import Sample, TrajectoryBatch
+    from marlaas.platform.events import Sample, TrajectoryBatch
 
     gen = torch.Generator().manual_seed(1)
     return TrajectoryBatch(samples=[
@@ -124,8 +124,8 @@ def measure_one(args: argparse.Namespace) -> dict:
 
     import torch
 
-    from marlaas.adapters import init_adapter
-    from marlaas.events import GrpoSettings, LoraSettings
+    from marlaas.platform.adapters import init_adapter
+    from marlaas.platform.events import GrpoSettings, LoraSettings
     from services.trainer.policy import PolicyTrainer
 
     torch.set_num_threads(args.threads)

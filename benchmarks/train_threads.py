@@ -26,7 +26,7 @@ def make_batch(seed: int = 1):
     """64 samples in 8 groups, agentic-10-sized: tool answers masked out of the loss."""
     import torch
 
-    from marlaas.events import Sample, TrajectoryBatch
+    from marlaas.platform.events import Sample, TrajectoryBatch
 
     gen = torch.Generator().manual_seed(seed)
     samples = []
@@ -55,9 +55,9 @@ def main() -> None:
     from rich.progress import track
     from rich.table import Table
 
-    from marlaas.adapters import init_adapter
+    from marlaas.platform.adapters import init_adapter
     from marlaas.basemodel import builtin_model_dir
-    from marlaas.events import GrpoSettings, LoraSettings
+    from marlaas.platform.events import GrpoSettings, LoraSettings
     from services.trainer.policy import PolicyTrainer
 
     model_dir = builtin_model_dir()

@@ -14,10 +14,10 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from marlaas.client import AdapterGone, Client
-from marlaas.config import load_config
-from marlaas.events import PolicyCommitted
-from marlaas.launcher import running_nats_url
+from marlaas.platform.nats_client import AdapterGone, Client
+from marlaas.platform.config import load_config
+from marlaas.platform.events import PolicyCommitted
+from marlaas.sdk.discovery import running_nats_url
 from marlaas.tasks import get_task
 
 

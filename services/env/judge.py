@@ -38,8 +38,8 @@ import re
 import httpx
 import structlog
 
-from marlaas.config import EnvConfig
-from marlaas.events import RewardItem, RewardRequest, RewardResult
+from marlaas.platform.config import EnvConfig
+from marlaas.platform.events import RewardItem, RewardRequest, RewardResult
 from marlaas.tools.protocol import final_answer
 from marlaas.tools.registry import reward_subject
 

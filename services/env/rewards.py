@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from marlaas.events import RewardRequest, RewardResult
-from marlaas.files import DataFiles
+from marlaas.platform.events import RewardRequest, RewardResult
+from marlaas.platform.files import DataFiles
 from marlaas.tasks import Task, TaskError, get_task
 
 

@@ -13,10 +13,10 @@ import asyncio
 
 import structlog
 
-from marlaas.events import RewardResult, encode
-from marlaas.files import DataFiles
-from marlaas.runtime import Runtime
-from marlaas.telemetry import span
+from marlaas.platform.events import RewardResult, encode
+from marlaas.platform.files import DataFiles
+from marlaas.platform.runtime import Runtime
+from marlaas.platform.telemetry import span
 from marlaas.tools.registry import serve_registrar
 from marlaas.tools.sdk import decode_reward_request
 from services.env.judge import JUDGE_SUBJECT, Judge

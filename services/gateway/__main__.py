@@ -1,6 +1,6 @@
 """Entry point: `python -m services.gateway --config PATH`."""
 
-from marlaas.runtime import run_service
+from marlaas.platform.runtime import run_service
 
 if __name__ == "__main__":
     run_service("gateway")

@@ -27,11 +27,11 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import JsonRenderPlugin
 from litestar.openapi.spec import Components, SecurityScheme
 
-from marlaas import api
-from marlaas.bus import Bus
-from marlaas.config import Config
-from marlaas.store import ObjectStore
-from marlaas.tenants import TenantRecord, authenticate
+from marlaas.platform import api
+from marlaas.platform.bus import Bus
+from marlaas.platform.config import Config
+from marlaas.platform.store import ObjectStore
+from marlaas.platform.tenants import TenantRecord, authenticate
 from services.gateway.metrics import StackMetrics
 from services.gateway.reads import RecordsSnapshot, all_records
 

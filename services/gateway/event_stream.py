@@ -25,8 +25,8 @@ import msgspec
 import structlog
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from marlaas.bus import Bus
-from marlaas.events import JOB, POLICY, EventDecodeError, JobEvaluated, JobState, JobStateChanged, PolicyCommitted
+from marlaas.platform.bus import Bus
+from marlaas.platform.events import JOB, POLICY, EventDecodeError, JobEvaluated, JobState, JobStateChanged, PolicyCommitted
 from services.gateway.reads import job_record, last_sequence, policy_subject
 
 log = structlog.get_logger("gateway")

@@ -11,9 +11,9 @@ import asyncio
 
 from litestar import Request, delete, get, post
 
-from marlaas.files import FileRefused, delete_file, file_id_of, list_files, put_file, too_big
-from marlaas.sdk.schema import FileDeleted, FileInfo
-from marlaas.tenants import TenantRecord
+from marlaas.platform.files import FileRefused, delete_file, file_id_of, list_files, put_file, too_big
+from marlaas.platform.http_api import FileDeleted, FileInfo
+from marlaas.platform.tenants import TenantRecord
 from services.gateway.app import ApiError, gateway_of
 
 

@@ -21,9 +21,9 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
-from marlaas.bus import Bus
-from marlaas.events import METRIC, EventDecodeError, JobRecord, JobState, Span
-from marlaas.telemetry import UTILIZATION_JOB
+from marlaas.platform.bus import Bus
+from marlaas.platform.events import METRIC, EventDecodeError, JobRecord, JobState, Span
+from marlaas.platform.telemetry import UTILIZATION_JOB
 
 log = structlog.get_logger("gateway")
 TTFS_BUCKETS_S = (1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)

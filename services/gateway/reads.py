@@ -20,9 +20,9 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from marlaas.bus import JOBS_BUCKET, Bus
-from marlaas.events import JOB_RECORD, POLICY, EventDecodeError, JobRecord, JobState, PolicyCommitted
-from marlaas.sdk.schema import EvalInfo, JobInfo, VersionInfo
+from marlaas.platform.bus import JOBS_BUCKET, Bus
+from marlaas.platform.events import JOB_RECORD, POLICY, EventDecodeError, JobRecord, JobState, PolicyCommitted
+from marlaas.platform.http_api import EvalInfo, JobInfo, VersionInfo
 
 log = structlog.get_logger("gateway")
 

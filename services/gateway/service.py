@@ -16,8 +16,8 @@ import socket
 import structlog
 import uvicorn
 
-from marlaas.config import Config
-from marlaas.runtime import Runtime
+from marlaas.platform.config import Config
+from marlaas.platform.runtime import Runtime
 from services.gateway.app import Gateway, create_app
 from services.gateway.metrics import StackMetrics
 

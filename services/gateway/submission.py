@@ -14,8 +14,8 @@ from pathlib import Path
 
 import msgspec
 
-from marlaas import api
-from marlaas.files import DATA_FIELDS, is_file_id
+from marlaas.platform import api
+from marlaas.platform.http_api import PATH_FIELDS as DATA_FIELDS, is_file_id
 
 JSON_TYPES = ("application/json", "")  # no Content-Type: read as JSON
 TOML_TYPES = ("application/toml", "text/x-toml", "text/toml")

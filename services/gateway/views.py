@@ -11,12 +11,12 @@ import tarfile
 from litestar import Request, delete, get, post
 from litestar.response import Stream
 
-from marlaas import api
-from marlaas.adapters import CONFIG_FILE, WEIGHTS_FILE, read_adapter
-from marlaas.events import PolicyCommitted
-from marlaas.sdk.schema import Cancelled, Deleted, JobInfo, Pinned, Submitted, VersionInfo
-from marlaas.store import ObjectNotFound
-from marlaas.tenants import TenantRecord
+from marlaas.platform import api
+from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE, read_adapter
+from marlaas.platform.events import PolicyCommitted
+from marlaas.platform.http_api import Cancelled, Deleted, JobInfo, Pinned, Submitted, VersionInfo
+from marlaas.platform.store import ObjectNotFound
+from marlaas.platform.tenants import TenantRecord
 from services.gateway.app import ApiError, gateway_of, not_found
 from services.gateway.event_stream import BadEventId, job_events, parse_event_id
 from services.gateway.reads import (

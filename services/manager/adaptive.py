@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from marlaas.events import JobRecord, JobState
+from marlaas.platform.events import JobRecord, JobState
 
 WINDOW_S = 10.0  # the engine's busy fraction is judged over this much recent time
 SETTLE_STEPS = 2  # a newly admitted job must commit this many versions before the next admission

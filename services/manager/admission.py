@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from marlaas.events import JobRecord, JobState
+from marlaas.platform.events import JobRecord, JobState
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 

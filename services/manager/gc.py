@@ -1,7 +1,7 @@
 """Garbage collection of a job's stored objects: a pure plan and the shell that carries it out.
 
 Every attempt at writing version v of a job writes under its own prefix
-``<kind>/<job>/v<v:06d>/<attempt>/`` (``marlaas.adapters.attempt_prefix``); the
+``<kind>/<job>/v<v:06d>/<attempt>/`` (``marlaas.platform.adapters.attempt_prefix``); the
 compare-and-set on the ``versions`` entry decides which attempt *is* version v, and
 the policy-committed announcement names its adapter. So everything else is either
 history nobody needs or an orphan of a crashed or losing attempt. The plan deletes:
@@ -26,10 +26,10 @@ import asyncio
 import re
 from dataclasses import dataclass
 
-from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
-from marlaas.commits import policy_subject
-from marlaas.events import COMMITTED, JOB_RECORD, POLICY
-from marlaas.store import ObjectStore
+from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
+from marlaas.platform.commits import policy_subject
+from marlaas.platform.events import COMMITTED, JOB_RECORD, POLICY
+from marlaas.platform.store import ObjectStore
 
 OBJECT_KINDS = ("adapters", "optimizer", "trajectories")
 _VERSION = re.compile(r"^v(\d{6,})$")

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 import msgspec
 import structlog
 
-from marlaas import api
-from marlaas.bus import JOBS_BUCKET, SAMPLED_BUCKET, VERSIONS_BUCKET, Bus
-from marlaas.events import JOB_RECORD, JobRecord, JobSpec, JobState
-from marlaas.store import ObjectStore
-from marlaas.tenants import get_tenant
+from marlaas.platform import api
+from marlaas.platform.bus import JOBS_BUCKET, SAMPLED_BUCKET, VERSIONS_BUCKET, Bus
+from marlaas.platform.events import JOB_RECORD, JobRecord, JobSpec, JobState
+from marlaas.platform.store import ObjectStore
+from marlaas.platform.tenants import get_tenant
 
 if TYPE_CHECKING:
     from services.manager.service import Manager

@@ -18,20 +18,20 @@ from collections.abc import Callable
 import msgspec
 import structlog
 
-from marlaas import api
-from marlaas.adapters import init_adapter, write_adapter
-from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery, StaleRevision
-from marlaas.commits import announce
-from marlaas.config import Config
-from marlaas.events import (
+from marlaas.platform import api
+from marlaas.platform.adapters import init_adapter, write_adapter
+from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery, StaleRevision
+from marlaas.platform.commits import announce
+from marlaas.platform.config import Config
+from marlaas.platform.events import (
     COMMITTED, JOB, JOB_RECORD, METRIC, POLICY, EventDecodeError, CommittedVersion, EvalPoint, JobEvaluated, JobFailureReported, JobRecord, JobWarningReported,
     JobSpec,
     JobState, JobStateChanged, JobSubmitted, RewardRequest, TRUNCATED_MODES, encode,
 )
-from marlaas.files import DataFiles
-from marlaas.runtime import Runtime
-from marlaas.telemetry import span_subject
-from marlaas.store import ObjectStore
+from marlaas.platform.files import DataFiles
+from marlaas.platform.runtime import Runtime
+from marlaas.platform.telemetry import span_subject
+from marlaas.platform.store import ObjectStore
 from marlaas.tasks import TaskError
 from marlaas.tools.registry import ToolNameError, read_tool, reward_subject, split_qualified
 from services.manager.adaptive import AdaptiveAdmission

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from marlaas.events import TOOL, EventDecodeError, ToolCall, ToolResult, ToolSpec, encode
+from marlaas.platform.events import TOOL, EventDecodeError, ToolCall, ToolResult, ToolSpec, encode
 from marlaas.tools.protocol import (
     CALL_CLOSE, RESPONSE_CLOSE, RESPONSE_OPEN, TRUNCATED, CallError, ParsedCall, cut_result, escape_result,
     parse_call,

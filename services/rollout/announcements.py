@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from marlaas.events import JobRecord, JobState
+from marlaas.platform.events import JobRecord, JobState
 
 
 class Reaction(enum.Enum):

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from marlaas.config import Config
+from marlaas.platform.config import Config
 from marlaas.vllm_plugin import KERNELS_ENV
 from services.rollout.utilization import Utilization
 

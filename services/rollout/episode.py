@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from marlaas.events import Sample
+from marlaas.platform.events import Sample
 
 SegmentKind = Literal["sampled", "observation"]
 END_REASONS = ("answer", "length", "max_tool_calls", "context_full")

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from marlaas.bus import Bus
-from marlaas.commits import report_failure, report_warning
+from marlaas.platform.bus import Bus
+from marlaas.platform.commits import report_failure, report_warning
 
 log = structlog.get_logger("rollout")
 

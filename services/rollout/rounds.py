@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from marlaas.events import JobRecord, JobState
+from marlaas.platform.events import JobRecord, JobState
 
 log = structlog.get_logger("rollout.rounds")
 

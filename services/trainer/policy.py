@@ -32,8 +32,8 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from transformers import AutoModelForCausalLM
 
-from marlaas.adapters import CONFIG_FILE
-from marlaas.events import GrpoSettings, Sample, TrajectoryBatch
+from marlaas.platform.adapters import CONFIG_FILE
+from marlaas.platform.events import GrpoSettings, Sample, TrajectoryBatch
 from services.trainer.fused_lora import fuse_lora_layers
 from services.trainer.grpo import (
     GrpoLoss, group_advantages, grpo_loss, head_logprobs, micro_batches, scored_positions, token_logprobs,

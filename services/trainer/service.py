@@ -20,16 +20,16 @@ import uuid
 import structlog
 import torch
 
-from marlaas.adapters import attempt_prefix, read_adapter, write_adapter
-from marlaas.commits import announce, read_job, report_failure
-from marlaas.bus import VERSIONS_BUCKET, Bus, Delivery, StaleRevision
-from marlaas.events import (
+from marlaas.platform.adapters import attempt_prefix, read_adapter, write_adapter
+from marlaas.platform.commits import announce, read_job, report_failure
+from marlaas.platform.bus import VERSIONS_BUCKET, Bus, Delivery, StaleRevision
+from marlaas.platform.events import (
     BATCH, COMMITTED, JOB, TRAJECTORY, CommittedVersion, EventDecodeError, JobSpec, JobStateChanged,
     TrajectoryBatch, TrajectoryReady, encode,
 )
-from marlaas.runtime import Runtime
-from marlaas.store import ObjectStore
-from marlaas.telemetry import span
+from marlaas.platform.runtime import Runtime
+from marlaas.platform.store import ObjectStore
+from marlaas.platform.telemetry import span
 from services.trainer.policy import NonFiniteUpdate, PolicyTrainer, StepResult, torch_threads
 
 log = structlog.get_logger("trainer")

@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from marlaas.basemodel import builtin_model_dir
-from marlaas.events import TOOL, ToolResult, encode
+from marlaas.platform.events import TOOL, ToolResult, encode
 from marlaas.tools import tool
 from marlaas.tools.protocol import render_call
 from marlaas.tools.sdk import ToolError, serve_tools

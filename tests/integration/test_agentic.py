@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from marlaas.audit import audit_training
-from marlaas.bus import Bus
-from marlaas.client import ApiError, Client
-from marlaas.config import load_config
-from marlaas.events import TRAJECTORY
-from marlaas.launcher import Stack
-from marlaas.telemetry import read_spans
+from marlaas.platform.audit import audit_training
+from marlaas.platform.bus import Bus
+from marlaas.platform.nats_client import ApiError, Client
+from marlaas.platform.config import load_config
+from marlaas.platform.events import TRAJECTORY
+from marlaas.stack.launcher import Stack
+from marlaas.platform.telemetry import read_spans
 from marlaas.tools.protocol import RESPONSE_CLOSE, RESPONSE_OPEN
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`

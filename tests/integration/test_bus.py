@@ -12,9 +12,9 @@ import nats.errors
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from marlaas.bus import Bus, Delivery, KvEntry, PoisonMessage, StaleRevision
-from marlaas.embedded_nats import EmbeddedNats
-from marlaas.events import JOB
+from marlaas.platform.bus import Bus, Delivery, KvEntry, PoisonMessage, StaleRevision
+from marlaas.stack.embedded_nats import EmbeddedNats
+from marlaas.platform.events import JOB
 from polling import eventually
 
 pytestmark = pytest.mark.timeout(60)

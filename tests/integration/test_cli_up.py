@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from marlaas.launcher import SERVICES
+from marlaas.stack.launcher import SERVICES
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 

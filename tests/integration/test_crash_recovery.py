@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from marlaas.bus import Bus
-from marlaas.client import Client
-from marlaas.config import load_config
-from marlaas.events import POLICY
-from marlaas.launcher import Stack
+from marlaas.platform.bus import Bus
+from marlaas.platform.nats_client import Client
+from marlaas.platform.config import load_config
+from marlaas.platform.events import POLICY
+from marlaas.stack.launcher import Stack
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 

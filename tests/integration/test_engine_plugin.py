@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from marlaas.adapters import init_adapter, materialize, write_adapter
-from marlaas.config import load_config
-from marlaas.events import LoraSettings
-from marlaas.store import FileStore
+from marlaas.platform.adapters import init_adapter, materialize, write_adapter
+from marlaas.platform.config import load_config
+from marlaas.platform.events import LoraSettings
+from marlaas.platform.store import FileStore
 from services.rollout.engine import PolicyEngine
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`

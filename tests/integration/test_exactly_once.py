@@ -10,14 +10,14 @@ from collections import Counter
 
 import pytest
 
-from marlaas.audit import audit_training
-from marlaas.bus import VERSIONS_BUCKET, Bus
-from marlaas.client import Client
-from marlaas.commits import announce
-from marlaas.config import load_config
-from marlaas.events import COMMITTED
-from marlaas.launcher import Stack
-from marlaas.telemetry import read_spans
+from marlaas.platform.audit import audit_training
+from marlaas.platform.bus import VERSIONS_BUCKET, Bus
+from marlaas.platform.nats_client import Client
+from marlaas.platform.commits import announce
+from marlaas.platform.config import load_config
+from marlaas.platform.events import COMMITTED
+from marlaas.stack.launcher import Stack
+from marlaas.platform.telemetry import read_spans
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 

@@ -17,12 +17,12 @@ import httpx
 import msgspec
 import pytest
 
-from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
-from marlaas.config import load_config
-from marlaas.launcher import SERVICES, Stack
+from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
+from marlaas.platform.config import load_config
+from marlaas.stack.launcher import SERVICES, Stack
 from marlaas.sdk import BadRequest, Client, NotFound, QuotaExceeded, Unauthorized
-from marlaas.store import open_store
-from marlaas.tenants import add_tenant, revoke_tenant
+from marlaas.platform.store import open_store
+from marlaas.platform.tenants import add_tenant, revoke_tenant
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 
@@ -366,7 +366,7 @@ def test_quota_and_queue_position(stack, url, bob, alice):
     bob.cancel(second)
 
     async def unlimited(bus):  # a tenant with no record (internal tools over NATS) has no quota
-        from marlaas import api
+        from marlaas.platform import api
 
         replies = [msgspec.json.decode(await bus.request(api.SUBMIT, json.dumps(
             {**SMALL, "name": f"internal-{i}", "tenant": "internal"}).encode(), 60), type=api.SubmitReply)

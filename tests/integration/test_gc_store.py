@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET
-from marlaas.commits import announce
-from marlaas.events import CommittedVersion, JobRecord, JobSpec, JobState, encode
+from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET
+from marlaas.platform.commits import announce
+from marlaas.platform.events import CommittedVersion, JobRecord, JobSpec, JobState, encode
 from services.manager.gc import collect_job
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from marlaas.adapters import WEIGHTS_FILE
+from marlaas.platform.adapters import WEIGHTS_FILE
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 

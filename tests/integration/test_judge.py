@@ -21,10 +21,10 @@ import msgspec
 import pytest
 
 from marlaas.basemodel import builtin_model_dir
-from marlaas.config import load_config
-from marlaas.embedded_nats import free_port
-from marlaas.events import REWARD, RewardItem, RewardRequest, RewardResult, encode
-from marlaas.runtime import Runtime
+from marlaas.platform.config import load_config
+from marlaas.stack.embedded_nats import free_port
+from marlaas.platform.events import REWARD, RewardItem, RewardRequest, RewardResult, encode
+from marlaas.platform.runtime import Runtime
 from marlaas.tools.registry import reward_subject
 from services.env import service as env_service
 from services.env.judge import Judge

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from marlaas.events import JOB, JobFailureReported, JobRecord, JobSpec, JobState, JobWarningReported
+from marlaas.platform.events import JOB, JobFailureReported, JobRecord, JobSpec, JobState, JobWarningReported
 from services.manager.service import MAX_WARNINGS, _with_warning
 from services.rollout.liveness import Liveness
 

@@ -13,13 +13,13 @@ import itertools
 
 import pytest
 
-from marlaas.audit import audit_training
-from marlaas.bus import Bus
-from marlaas.client import Client
-from marlaas.config import load_config
-from marlaas.events import POLICY
-from marlaas.launcher import Stack
-from marlaas.telemetry import read_spans
+from marlaas.platform.audit import audit_training
+from marlaas.platform.bus import Bus
+from marlaas.platform.nats_client import Client
+from marlaas.platform.config import load_config
+from marlaas.platform.events import POLICY
+from marlaas.stack.launcher import Stack
+from marlaas.platform.telemetry import read_spans
 
 JOBS, STEPS = 32, 2
 TASKS = ("addition", "reverse", "repeat")

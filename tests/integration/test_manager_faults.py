@@ -16,16 +16,16 @@ import time
 import msgspec
 import pytest
 
-from marlaas import api
-from marlaas.adapters import write_adapter
-from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
-from marlaas.commits import policy_subject
-from marlaas.config import load_config
-from marlaas.events import (
+from marlaas.platform import api
+from marlaas.platform.adapters import write_adapter
+from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
+from marlaas.platform.commits import policy_subject
+from marlaas.platform.config import load_config
+from marlaas.platform.events import (
     COMMITTED, JOB, JOB_RECORD, POLICY, CommittedVersion, JobRecord, JobSpec, JobState, JobStateChanged,
     PolicyCommitted, encode,
 )
-from marlaas.store import FileStore
+from marlaas.platform.store import FileStore
 from polling import eventually
 from services.manager.service import Manager, _reply
 

@@ -20,16 +20,16 @@ from collections import Counter
 import nats
 import pytest
 
-from marlaas import natsauth
-from marlaas.admin import add_tenant_commands
-from marlaas.bus import BUCKETS, STREAMS, Bus, Delivery, StaleRevision
-from marlaas.client import FINISHED, Client
-from marlaas.commits import read_job
-from marlaas.config import load_config, read_config_json
-from marlaas.embedded_nats import EmbeddedNatsCluster
-from marlaas.events import POLICY
-from marlaas.cli import build_parser
-from marlaas.launcher import Stack, StackError
+from marlaas.platform import nats_access
+from marlaas.stack.admin import add_tenant_commands
+from marlaas.platform.bus import BUCKETS, STREAMS, Bus, Delivery, StaleRevision
+from marlaas.platform.nats_client import FINISHED, Client
+from marlaas.platform.commits import read_job
+from marlaas.platform.config import load_config, read_config_json
+from marlaas.stack.embedded_nats import EmbeddedNatsCluster
+from marlaas.platform.events import POLICY
+from marlaas.cli.commands import build_parser
+from marlaas.stack.launcher import Stack, StackError
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -188,17 +188,17 @@ def tenant_cli(home, *argv: str) -> dict:
 
 async def connect_to(url: str, user: str, password: str) -> None:
     nc = await nats.connect(servers=[url], user=user, password=password, allow_reconnect=False,
-                            connect_timeout=2, inbox_prefix=natsauth.inbox_prefix(user))
+                            connect_timeout=2, inbox_prefix=nats_access.inbox_prefix(user))
     await nc.close()
 
 
 def test_the_stack_runs_on_a_cluster_with_three_copies_and_users_on_every_node(tmp_path):
     config = load_config(env={"MARLAAS_HOME": str(tmp_path)})
     with Stack(config, services=(), nats_cluster=3) as stack:
-        servers = natsauth.server_urls((stack.run_dir / "nats.url").read_text())
-        assert servers == natsauth.server_urls(stack.nats_url) and len(servers) == 3
+        servers = nats_access.server_urls((stack.run_dir / "nats.url").read_text())
+        assert servers == nats_access.server_urls(stack.nats_url) and len(servers) == 3
         password = (stack.run_dir / "services.password").read_text()
-        assert all(natsauth.url_credentials(url) == ("services", password) for url in servers)
+        assert all(nats_access.url_credentials(url) == ("services", password) for url in servers)
         assert stack.summary()["nats_url"] == stack.nats.url  # every node, no password
         assert read_config_json((stack.run_dir / "config.json").read_bytes()).nats_replicas == 3
 

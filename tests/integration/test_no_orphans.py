@@ -13,8 +13,8 @@ import time
 import psutil
 import pytest
 
-from marlaas.config import load_config
-from marlaas.launcher import Stack
+from marlaas.platform.config import load_config
+from marlaas.stack.launcher import Stack
 
 
 def engine_cores(parent_pgid: int) -> list[psutil.Process]:
@@ -85,7 +85,7 @@ def test_a_killed_launcher_takes_its_children_with_it(tmp_path):
 
 HANGING_SERVICE = """
 import subprocess, threading
-from marlaas.processes import exit_if_still_running_after
+from marlaas.platform.processes import exit_if_still_running_after
 child = subprocess.Popen(["sleep", "300"])  # in this process's group, like a vLLM engine core
 print(child.pid, flush=True)
 exit_if_still_running_after(1.0)  # what a service arms when told to stop

@@ -18,13 +18,13 @@ import nats.errors
 import pytest
 from structlog.testing import capture_logs
 
-from marlaas import api
-from marlaas.adapters import init_adapter, write_adapter
+from marlaas.platform import api
+from marlaas.platform.adapters import init_adapter, write_adapter
 from marlaas.basemodel import builtin_model_dir
-from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
-from marlaas.commits import policy_subject
-from marlaas.config import load_config
-from marlaas.events import (
+from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
+from marlaas.platform.commits import policy_subject
+from marlaas.platform.config import load_config
+from marlaas.platform.events import (
     JOB_RECORD, CommittedVersion, EvalPoint, JobEvaluated, JobFailureReported, JobRecord, JobSpec, JobState,
     PolicyCommitted, Sample, TrajectoryBatch, TrajectoryReady, encode,
 )
@@ -179,7 +179,7 @@ async def test_poison_on_the_trainers_consumer_is_terminated_and_the_next_batch_
 
 
 async def _version(bus: Bus, job: str, version: int) -> CommittedVersion | None:
-    from marlaas.events import COMMITTED
+    from marlaas.platform.events import COMMITTED
 
     entry = await bus.kv_get(VERSIONS_BUCKET, job)
     committed = COMMITTED.decode(entry.value) if entry else None

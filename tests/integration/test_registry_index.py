@@ -7,11 +7,11 @@ import asyncio
 
 import msgspec
 
-from marlaas import api
-from marlaas.bus import JOBS_BUCKET
-from marlaas.config import load_config
-from marlaas.events import JobRecord, JobSpec, JobState, encode
-from marlaas.tenants import add_tenant
+from marlaas.platform import api
+from marlaas.platform.bus import JOBS_BUCKET
+from marlaas.platform.config import load_config
+from marlaas.platform.events import JobRecord, JobSpec, JobState, encode
+from marlaas.platform.tenants import add_tenant
 from services.manager.service import Manager
 
 FINISHED = 2000

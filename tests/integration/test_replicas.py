@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from marlaas.audit import audit_training
-from marlaas.bus import Bus
-from marlaas.client import Client
-from marlaas.config import load_config
-from marlaas.launcher import Stack
-from marlaas.telemetry import read_spans
+from marlaas.platform.audit import audit_training
+from marlaas.platform.bus import Bus
+from marlaas.platform.nats_client import Client
+from marlaas.platform.config import load_config
+from marlaas.stack.launcher import Stack
+from marlaas.platform.telemetry import read_spans
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from marlaas.audit import MAX_LOGPROB_GAP, audit_training, gaps_by_version
-from marlaas.bus import Bus
-from marlaas.client import ApiError, Client
-from marlaas.config import load_config
-from marlaas.events import POLICY, PolicyCommitted
-from marlaas.launcher import Stack
-from marlaas.telemetry import read_spans
+from marlaas.platform.audit import MAX_LOGPROB_GAP, audit_training, gaps_by_version
+from marlaas.platform.bus import Bus
+from marlaas.platform.nats_client import ApiError, Client
+from marlaas.platform.config import load_config
+from marlaas.platform.events import POLICY, PolicyCommitted
+from marlaas.stack.launcher import Stack
+from marlaas.platform.telemetry import read_spans
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 
@@ -231,7 +231,7 @@ def test_cli_json_shapes(stack, tmp_path):
 
 def test_a_stale_batch_is_terminated_not_trained(stack):
     """Invariant 2: a batch sampled with any version but the committed one is never trained."""
-    from marlaas.events import Sample, TrajectoryBatch, TrajectoryReady, encode
+    from marlaas.platform.events import Sample, TrajectoryBatch, TrajectoryReady, encode
 
     async def go():
         client = await Client.connect(stack.nats_url)
@@ -369,7 +369,7 @@ def test_evaluation_scores_every_nth_version_and_the_last(stack):
 
     async def eval_events():
         bus = await Bus.connect(stack.nats_url)
-        from marlaas.events import JOB, JobEvaluated
+        from marlaas.platform.events import JOB, JobEvaluated
 
         found = [JOB.decode(d) for d in await bus.read_all("JOBS", f"marlaas.job.eval.{view.id}")]
         await bus.close()

@@ -22,18 +22,18 @@ import msgspec
 import psutil
 import pytest
 
-from marlaas.adapters import init_adapter, write_adapter
+from marlaas.platform.adapters import init_adapter, write_adapter
 from marlaas.basemodel import builtin_model_dir
-from marlaas.bus import JOBS_BUCKET, SAMPLED_BUCKET, VERSIONS_BUCKET, Bus
-from marlaas.commits import policy_subject
-from marlaas.config import load_config
-from marlaas.embedded_nats import EmbeddedNats
-from marlaas.events import (
+from marlaas.platform.bus import JOBS_BUCKET, SAMPLED_BUCKET, VERSIONS_BUCKET, Bus
+from marlaas.platform.commits import policy_subject
+from marlaas.platform.config import load_config
+from marlaas.stack.embedded_nats import EmbeddedNats
+from marlaas.platform.events import (
     BATCH, JOB, TRAJECTORY, CommittedVersion, GrpoSettings, JobFailureReported, JobRecord, JobSpec, JobState,
     PolicyCommitted, RewardResult, TrajectoryReady, encode,
 )
-from marlaas.launcher import Stack
-from marlaas.store import FileStore
+from marlaas.stack.launcher import Stack
+from marlaas.platform.store import FileStore
 from marlaas.tools.registry import reward_subject
 from marlaas.tools.sdk import answer_reward_request, decode_reward_request, reward
 import polling

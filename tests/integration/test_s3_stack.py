@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from marlaas.client import Client
-from marlaas.config import load_config
-from marlaas.launcher import Stack
-from marlaas.store import S3Store
+from marlaas.platform.nats_client import Client
+from marlaas.platform.config import load_config
+from marlaas.stack.launcher import Stack
+from marlaas.platform.store import S3Store
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 

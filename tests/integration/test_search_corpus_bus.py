@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from marlaas.config import load_config
-from marlaas.events import TOOL, ToolCall, ToolResult, encode
+from marlaas.platform.config import load_config
+from marlaas.platform.events import TOOL, ToolCall, ToolResult, encode
 from marlaas.tasks import get_task
 from marlaas.tools import tool_subject
 from services.env.tools import serve_builtin_tools

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from marlaas.store import (
+from marlaas.platform.store import (
     ChecksumMismatch,
     FileStore,
     ImmutableKeyError,
@@ -58,7 +58,7 @@ def test_adapter_sized_file_round_trips_with_matching_sha256(store, tmp_path):
 def test_a_working_copy_is_whole_and_verified_but_not_fsynced(store, tmp_path, monkeypatch):
     """``materialize``'s copies (rollout's per-process adapter cache) skip the fsync; the store's
     own writes and a durable ``get_file`` keep it."""
-    from marlaas.adapters import materialize, write_adapter
+    from marlaas.platform.adapters import materialize, write_adapter
 
     synced = []
     real_fsync = os.fsync
@@ -168,7 +168,7 @@ def test_fetch_rejects_a_blob_of_another_store(file_store, tmp_path):
 
 CRASH_BETWEEN_WRITE_AND_RENAME = """
 import os, sys
-from marlaas.store import FileStore
+from marlaas.platform.store import FileStore
 
 store = FileStore(sys.argv[1])
 os.replace = lambda *args, **kwargs: os._exit(1)  # the process dies right before the rename

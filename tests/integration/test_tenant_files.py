@@ -18,13 +18,13 @@ import msgspec
 import pytest
 import uvicorn
 
-from marlaas import api
-from marlaas.bus import JOBS_BUCKET
-from marlaas.config import load_config
-from marlaas.events import JOB_RECORD, RewardItem, RewardRequest
-from marlaas.files import DataFiles, FileMissing, file_id_of, put_file
+from marlaas.platform import api
+from marlaas.platform.bus import JOBS_BUCKET
+from marlaas.platform.config import load_config
+from marlaas.platform.events import JOB_RECORD, RewardItem, RewardRequest
+from marlaas.platform.files import DataFiles, FileMissing, file_id_of, put_file
 from marlaas.sdk import Client
-from marlaas.tenants import add_tenant
+from marlaas.platform.tenants import add_tenant
 from services.env.rewards import RewardBook
 from services.gateway.app import Gateway, create_app
 from services.gateway.metrics import StackMetrics
@@ -201,7 +201,7 @@ async def test_the_sdk_uploads_a_job_files_local_data_once_and_submits_its_id(ap
 def test_the_cli_leaves_a_file_id_alone_and_makes_local_paths_absolute(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from marlaas.cli import submission_from_args
+    from marlaas.cli.commands import submission_from_args
 
     monkeypatch.chdir(tmp_path)
     args = SimpleNamespace(file=None, name=None, task="search-qa", steps=2, seed=None, dataset="file-" + "a" * 32,

@@ -20,13 +20,14 @@ import nats.errors
 import pytest
 from nats.js.api import ConsumerConfig
 
-from marlaas import natsauth
-from marlaas.admin import add_tenant_commands
-from marlaas.bus import Bus
-from marlaas.config import load_config
-from marlaas.events import RewardItem, RewardRequest, ToolCall, ToolSpec, encode
-from marlaas.launcher import Stack
-from marlaas.tenants import TenantError
+from marlaas.stack import broker_auth
+from marlaas.platform import nats_access
+from marlaas.stack.admin import add_tenant_commands
+from marlaas.platform.bus import Bus
+from marlaas.platform.config import load_config
+from marlaas.platform.events import RewardItem, RewardRequest, ToolCall, ToolSpec, encode
+from marlaas.stack.launcher import Stack
+from marlaas.platform.tenants import TenantError
 from marlaas.tools import registry, sdk
 from marlaas.tools.sdk import reward, serve_async, tool
 
@@ -82,7 +83,7 @@ class Conn:
 
         conn.nc = await asyncio.wait_for(nats.connect(
             servers=[url], user=user, password=password, error_cb=on_error,
-            inbox_prefix=inbox or natsauth.inbox_prefix(user), allow_reconnect=reconnect,
+            inbox_prefix=inbox or nats_access.inbox_prefix(user), allow_reconnect=reconnect,
             max_reconnect_attempts=3, reconnect_time_wait=0.2, connect_timeout=2,
         ), 5)
         return conn
@@ -112,13 +113,13 @@ async def services(stack):
 
 @pytest.fixture
 async def acme(stack, tokens):
-    conn = await Conn.open(natsauth.redact_url(stack.nats_url), "acme", tokens["acme"])
+    conn = await Conn.open(nats_access.redact_url(stack.nats_url), "acme", tokens["acme"])
     yield conn
     await conn.close()
 
 
 def plain_url(stack) -> str:
-    return natsauth.redact_url(stack.nats_url)
+    return nats_access.redact_url(stack.nats_url)
 
 
 # --- the embedded stack's credentials --------------------------------------------------------
@@ -361,8 +362,8 @@ async def test_the_platforms_names_cannot_be_added_as_tenants(stack):
 def test_a_config_nats_server_refuses_is_never_applied(stack):
     auth = stack.home / "nats" / "auth.conf"
     before = auth.read_text()
-    with pytest.raises(natsauth.AuthConfigError, match="refuses"):
-        natsauth.write_auth_conf(auth, before.replace("users: [", "users: [ {user: ", 1))
+    with pytest.raises(broker_auth.AuthConfigError, match="refuses"):
+        broker_auth.write_auth_conf(auth, before.replace("users: [", "users: [ {user: ", 1))
     assert auth.read_text() == before
     assert not list(auth.parent.glob(".auth.conf*"))
 
@@ -372,11 +373,11 @@ def test_the_sdk_finds_the_embedded_broker_and_the_default_tenants_token(stack, 
     for var in ("MARLAAS_NATS_URL", "MARLAAS_CONFIG", "MARLAAS_TOKEN"):
         monkeypatch.delenv(var, raising=False)
     token = (stack.run_dir / "default-tenant.token").read_text()
-    assert sdk.broker_url("default") == natsauth.url_with_credentials(plain_url(stack), "default", token)
+    assert sdk.broker_url("default") == nats_access.url_with_credentials(plain_url(stack), "default", token)
     with pytest.raises(ValueError, match="needs its token"):
         sdk.broker_url("acme")  # never the services' URL by accident
     monkeypatch.setenv("MARLAAS_TOKEN", "mlt_acme_" + "1" * 32)
-    assert natsauth.url_credentials(sdk.broker_url("acme")) == ("acme", "mlt_acme_" + "1" * 32)
+    assert nats_access.url_credentials(sdk.broker_url("acme")) == ("acme", "mlt_acme_" + "1" * 32)
     monkeypatch.delenv("MARLAAS_TOKEN")
     monkeypatch.setenv("MARLAAS_NATS_URL", stack.nats_url)  # an explicit URL keeps its credentials
     assert sdk.broker_url("acme") == stack.nats_url

@@ -16,9 +16,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from marlaas.bus import Bus
-from marlaas.config import load_config
-from marlaas.events import REWARD, TOOL, RewardItem, RewardRequest, ToolCall, ToolResult, encode
+from marlaas.platform.bus import Bus
+from marlaas.platform.config import load_config
+from marlaas.platform.events import REWARD, TOOL, RewardItem, RewardRequest, ToolCall, ToolResult, encode
 from marlaas.tools import list_tools, read_tool, tool_subject
 from marlaas.tools.registry import reward_subject, serve_registrar
 from polling import eventually

@@ -28,18 +28,18 @@ from safetensors.torch import load as load_safetensors
 from structlog.testing import capture_logs
 
 import services.trainer.service as trainer_service
-from marlaas import api
-from marlaas.adapters import init_adapter, read_adapter, write_adapter
+from marlaas.platform import api
+from marlaas.platform.adapters import init_adapter, read_adapter, write_adapter
 from marlaas.basemodel import builtin_model_dir
-from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery
-from marlaas.commits import policy_subject
-from marlaas.config import load_config
-from marlaas.events import (
+from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery
+from marlaas.platform.commits import policy_subject
+from marlaas.platform.config import load_config
+from marlaas.platform.events import (
     COMMITTED, JOB, JOB_RECORD, POLICY, TRAJECTORY, CommittedVersion, GrpoSettings, JobRecord, JobSpec, JobState,
     JobStateChanged, LoraSettings, Sample, TrajectoryBatch, TrajectoryReady, encode,
 )
-from marlaas.store import FileStore
-from marlaas.telemetry import read_spans
+from marlaas.platform.store import FileStore
+from marlaas.platform.telemetry import read_spans
 from services.manager.service import Manager
 from services.rollout.service import INLINE_BATCH_LIMIT, publish_batch
 from services.trainer.policy import PolicyTrainer

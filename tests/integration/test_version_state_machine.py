@@ -44,17 +44,17 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
 import services.trainer.service as trainer_service
-from marlaas import api
-from marlaas.audit import audit_training
+from marlaas.platform import api
+from marlaas.platform.audit import audit_training
 from marlaas.basemodel import builtin_model_dir
-from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery
-from marlaas.commits import announce, policy_subject, read_job
-from marlaas.config import load_config
-from marlaas.events import (
+from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery
+from marlaas.platform.commits import announce, policy_subject, read_job
+from marlaas.platform.config import load_config
+from marlaas.platform.events import (
     COMMITTED, JOB_RECORD, METRIC, POLICY, TRAJECTORY, JobState, Sample, TrajectoryBatch, encode,
 )
-from marlaas.store import FileStore
-from marlaas.telemetry import span_subject
+from marlaas.platform.store import FileStore
+from marlaas.platform.telemetry import span_subject
 from services.manager.service import Manager
 from services.rollout.announcements import Reaction, plan_announcement
 from services.rollout.service import publish_batch, record_sampled, sampled_version

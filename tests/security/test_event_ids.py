@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from marlaas.bus import JOBS_BUCKET
-from marlaas.events import (
+from marlaas.platform.bus import JOBS_BUCKET
+from marlaas.platform.events import (
     Blob, JobEvaluated, JobFailureReported, JobRecord, JobSpec, JobState, JobStateChanged, JobSubmitted,
     PolicyCommitted, encode,
 )

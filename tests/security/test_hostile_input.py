@@ -13,11 +13,11 @@ import time
 import httpx
 import pytest
 
-from marlaas import api
-from marlaas.bus import JOBS_BUCKET
-from marlaas.config import load_config
-from marlaas.events import JOB_RECORD, JobRecord, JobSpec, JobState, encode
-from marlaas.tenants import add_tenant
+from marlaas.platform import api
+from marlaas.platform.bus import JOBS_BUCKET
+from marlaas.platform.config import load_config
+from marlaas.platform.events import JOB_RECORD, JobRecord, JobSpec, JobState, encode
+from marlaas.platform.tenants import add_tenant
 from services.gateway.app import Gateway, create_app
 from services.gateway.metrics import StackMetrics
 from services.manager.job_admin import pin_version

@@ -29,14 +29,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from marlaas import natsauth
-from marlaas.admin import add_tenant_commands
-from marlaas.bus import JOBS_BUCKET, Bus
-from marlaas.config import load_config
-from marlaas.events import JOB_RECORD, ToolSpec, encode
-from marlaas.launcher import SERVICES, Stack
+from marlaas.stack import broker_auth
+from marlaas.platform import nats_access
+from marlaas.stack.admin import add_tenant_commands
+from marlaas.platform.bus import JOBS_BUCKET, Bus
+from marlaas.platform.config import load_config
+from marlaas.platform.events import JOB_RECORD, ToolSpec, encode
+from marlaas.stack.launcher import SERVICES, Stack
 from marlaas.sdk import BadRequest, Client
-from marlaas.tenants import TenantError
+from marlaas.platform.tenants import TenantError
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(300)]
 
@@ -105,7 +106,7 @@ def bearer(token: str) -> dict[str, str]:
 
 
 def broker(stack) -> str:
-    return natsauth.redact_url(stack.nats_url)
+    return nats_access.redact_url(stack.nats_url)
 
 
 async def platform_bus(stack) -> Bus:
@@ -117,7 +118,7 @@ async def as_tenant(stack, name: str, token: str, errors: list[str]):
         errors.append(str(exc).lower())
 
     return await nats.connect(servers=[broker(stack)], user=name, password=token, error_cb=on_error,
-                              inbox_prefix=natsauth.inbox_prefix(name), allow_reconnect=False,
+                              inbox_prefix=nats_access.inbox_prefix(name), allow_reconnect=False,
                               connect_timeout=3)
 
 
@@ -229,7 +230,7 @@ def test_the_broker_bounds_a_tenants_connections_and_messages(stack, tokens):
                 await big.flush(timeout=2)
             await asyncio.sleep(1)
             cut_off = big.is_closed  # the server closes a connection that exceeds max_payload
-            for _ in range(natsauth.TENANT_LIMITS["max_connections"] + 1):
+            for _ in range(broker_auth.TENANT_LIMITS["max_connections"] + 1):
                 try:
                     opened.append(await as_tenant(stack, "mallory", tokens["mallory"], errors))
                 except nats.errors.Error as exc:
@@ -244,7 +245,7 @@ def test_the_broker_bounds_a_tenants_connections_and_messages(stack, tokens):
 
     heard, cut_off, count, refused = run(attack())
     assert heard == [] and cut_off
-    assert count == natsauth.TENANT_LIMITS["max_connections"] and "connections exceeded" in refused
+    assert count == broker_auth.TENANT_LIMITS["max_connections"] and "connections exceeded" in refused
 
 
 def test_the_platforms_names_cannot_become_tenants(stack):

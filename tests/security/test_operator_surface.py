@@ -15,9 +15,9 @@ import stat
 import httpx
 import pytest
 
-from marlaas.config import load_config
-from marlaas.launcher import Stack
-from marlaas.tenants import add_tenant
+from marlaas.platform.config import load_config
+from marlaas.stack.launcher import Stack
+from marlaas.platform.tenants import add_tenant
 from services.gateway.app import Gateway, create_app
 from services.gateway.metrics import StackMetrics
 from services.gateway.service import operator_token

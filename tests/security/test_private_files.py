@@ -8,10 +8,10 @@ import stat
 import subprocess
 import sys
 
-from marlaas import launcher
-from marlaas.config import load_config
-from marlaas.launcher import Stack
-from marlaas.store import FileStore
+from marlaas.stack import launcher
+from marlaas.platform.config import load_config
+from marlaas.stack.launcher import Stack
+from marlaas.platform.store import FileStore
 from services.gateway.service import operator_token
 
 

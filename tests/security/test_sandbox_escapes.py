@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from marlaas.config import load_config
+from marlaas.platform.config import load_config
 from services.env.tools import python_tool, sandbox_limits
 from services.env.tools.python_sandbox import SandboxLimits, run_python
 
@@ -543,7 +543,7 @@ def test_without_bwrap_env_does_not_serve_python_and_says_why(tmp_path):
     """PATH without bwrap: env's built-in tools are served, but not ``python``, with the reason logged."""
     script = textwrap.dedent(f"""
         import asyncio
-        from marlaas.config import load_config
+        from marlaas.platform.config import load_config
         from services.env.tools import builtin_tools
         config = load_config(overrides={{"home": {str(tmp_path)!r}}}, env={{}})
         print(sorted(t.name for t in asyncio.run(builtin_tools(config))))
@@ -560,7 +560,7 @@ def test_isolation_none_is_served_only_when_set_and_warned_about(tmp_path):
     """``env.python_isolation = "none"``: served even without bwrap, with a warning at start."""
     script = textwrap.dedent(f"""
         import asyncio
-        from marlaas.config import load_config
+        from marlaas.platform.config import load_config
         from services.env.tools import builtin_tools
         config = load_config(overrides={{"home": {str(tmp_path)!r}, "env.python_isolation": "none"}}, env={{}})
         tools = {{t.name: t for t in asyncio.run(builtin_tools(config))}}

@@ -2,7 +2,7 @@
 
 import json
 
-from marlaas.events import JobRecord, JobSpec, JobState
+from marlaas.platform.events import JobRecord, JobSpec, JobState
 import msgspec
 
 from services.manager.adaptive import SETTLE_MAX_S, AdaptiveAdmission

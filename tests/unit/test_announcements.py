@@ -3,7 +3,7 @@
 import msgspec
 import pytest
 
-from marlaas.events import JobRecord, JobSpec, JobState
+from marlaas.platform.events import JobRecord, JobSpec, JobState
 from services.rollout.announcements import Plan, Reaction, plan_announcement
 
 SPEC = JobSpec(id="acme.j", tenant="acme", name="j", task="addition", steps=5)

@@ -3,8 +3,8 @@ again after a crash before its commit is one training, two committed trainings a
 
 from __future__ import annotations
 
-from marlaas.audit import audit_training
-from marlaas.events import Span
+from marlaas.platform.audit import audit_training
+from marlaas.platform.events import Span
 
 
 def train(version: int, attempt: str) -> Span:

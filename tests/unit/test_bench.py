@@ -18,8 +18,8 @@ from marlaas.bench.plots import write_plots
 from marlaas.bench.report import check_targets, markdown_report, ratios
 from marlaas.bench.runner import ResourceSampler, cpu_load
 from marlaas.bench.workload import WORKLOAD_DIR, WorkloadError, load_workload
-from marlaas.events import Span
-from marlaas.telemetry import UTILIZATION_JOB
+from marlaas.platform.events import Span
+from marlaas.platform.telemetry import UTILIZATION_JOB
 
 
 def span(job, phase, version, start, end, **attrs):

@@ -12,10 +12,11 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from marlaas import natsauth
-from marlaas.admin import add_tenant_commands
-from marlaas.config import load_config
-from marlaas.embedded_nats import find_server_binary
+from marlaas.stack import broker_auth
+from marlaas.platform import nats_access
+from marlaas.stack.admin import add_tenant_commands
+from marlaas.platform.config import load_config
+from marlaas.stack.broker_auth import find_server_binary
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -145,7 +146,7 @@ def test_env_vars_point_at_defined_hosts_and_ports(services):
         for var, value in service.get("environment", {}).items():
             if not re.match(r"(MARLAAS_NATS_URL|MARLAAS_S3_ENDPOINT|MINIO_URL)$", var):
                 continue
-            for one in natsauth.server_urls(value):  # a cluster's URL lists each node
+            for one in nats_access.server_urls(value):  # a cluster's URL lists each node
                 host, port = host_and_port(one)
                 assert host in services, f"{name}: {var}={one} names no service"
                 assert port in exposed_ports(services[host]), f"{name}: {var}={one}: port not exposed"
@@ -256,7 +257,7 @@ def test_every_nats_client_connects_as_services_with_a_password_that_must_be_set
     assert set(MARLAAS_SERVICES) <= set(clients)
     for name in clients:
         url = services[name]["environment"]["MARLAAS_NATS_URL"]
-        assert natsauth.url_credentials(url) == ("services", COMPOSE_ENV["MARLAAS_NATS_PASSWORD"]), name
+        assert nats_access.url_credentials(url) == ("services", COMPOSE_ENV["MARLAAS_NATS_PASSWORD"]), name
     with pytest.raises(KeyError, match="MARLAAS_NATS_PASSWORD must be set"):
         interpolate(raw_compose, {})  # no default password: compose refuses to start without one
 
@@ -304,7 +305,7 @@ def test_the_header_says_how_to_add_a_tenant():
 
 def test_nats_server_accepts_the_broker_config_with_its_rendered_users(compose, services, tmp_path,
                                                                        monkeypatch):
-    from marlaas.admin import cmd_init_auth
+    from marlaas.stack.admin import cmd_init_auth
 
     nats = services["nats"]
     words = command_line(nats)
@@ -325,13 +326,13 @@ def test_nats_server_accepts_the_broker_config_with_its_rendered_users(compose, 
 
     init_auth("first")  # the first start: the services user alone
     accepted()
-    tenant_hash = natsauth.bcrypt_hash("mlt_acme_" + "0" * 32)
-    users = natsauth.render_auth(natsauth.bcrypt_hash("first"), [("acme", tenant_hash)])
-    natsauth.write_auth_conf(auth, users)
+    tenant_hash = nats_access.bcrypt_hash("mlt_acme_" + "0" * 32)
+    users = broker_auth.render_auth(nats_access.bcrypt_hash("first"), [("acme", tenant_hash)])
+    broker_auth.write_auth_conf(auth, users)
     init_auth("second")  # a new services password keeps the tenants
     text = auth.read_text()
     assert tenant_hash in text and "marlaas.tool.acme.>" in text
-    assert natsauth.with_services_password(text, "second") == text
+    assert broker_auth.with_services_password(text, "second") == text
     accepted()
 
 
@@ -380,9 +381,9 @@ def test_ha_services_run_the_same_commands_on_every_node_with_three_copies(servi
         assert {k: v for k, v in twin.items() if k not in ("environment", "depends_on", "profiles")} == (
             {k: v for k, v in single.items() if k not in ("environment", "depends_on")})
         env = twin["environment"]
-        servers = natsauth.server_urls(env["MARLAAS_NATS_URL"])
+        servers = nats_access.server_urls(env["MARLAAS_NATS_URL"])
         assert sorted(host_and_port(url)[0] for url in servers) == list(NATS_NODES)
-        assert {natsauth.url_credentials(url) for url in servers} == {
+        assert {nats_access.url_credentials(url) for url in servers} == {
             ("services", COMPOSE_ENV["MARLAAS_NATS_PASSWORD"])}
         assert set(NATS_NODES) <= set(twin["depends_on"])
         assert "nats" not in dependencies(services, f"{name}-ha")  # the single server stays off
@@ -392,7 +393,7 @@ def test_ha_services_run_the_same_commands_on_every_node_with_three_copies(servi
         config = load_config(toml, env=env)
         assert config.nats_replicas == 3 and config.nats_url == env["MARLAAS_NATS_URL"]
     admin = services["admin-ha"]
-    assert natsauth.server_urls(admin["environment"]["MARLAAS_NATS_URL"]) == servers
+    assert nats_access.server_urls(admin["environment"]["MARLAAS_NATS_URL"]) == servers
     auth_file = services["admin"]["environment"]["MARLAAS_NATS_AUTH_FILE"]
     assert admin["environment"]["MARLAAS_NATS_AUTH_FILE"] == auth_file
     host_ports = [p for node in NATS_NODES for p in services[node]["ports"]]
@@ -403,7 +404,7 @@ def test_nats_server_accepts_the_cluster_config(compose, services, tmp_path):
     main = tmp_path / "marlaas.conf"
     main.write_text(cluster_conf(compose, services))
     auth = tmp_path / nats_auth_path(compose, services).relative_to("/etc/nats")
-    natsauth.write_auth_conf(auth, natsauth.render_auth(natsauth.bcrypt_hash("pw"), []))
+    broker_auth.write_auth_conf(auth, broker_auth.render_auth(nats_access.bcrypt_hash("pw"), []))
     done = subprocess.run([find_server_binary(), "-c", str(main), "--name", "nats-1", "-t"],
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from marlaas.config import Config, ConfigError, dump_config, load_config, read_config_json
+from marlaas.platform.config import Config, ConfigError, dump_config, load_config, read_config_json
 
 
 def write_toml(tmp_path: Path, text: str) -> Path:

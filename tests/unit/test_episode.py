@@ -78,7 +78,7 @@ def test_a_chat_template_model_gets_its_own_tool_turns(fmt):
         "{% if add_generation_prompt %}<a>{% endif %}")
     chat = ConversationFormat(tokenizer)
     assert chat.chat and chat.obs_head == "<e><u><tool_response>" and chat.obs_tail == "</tool_response><e><a>"
-    from marlaas.events import ToolSpec
+    from marlaas.platform.events import ToolSpec
 
     prompt = tokenizer.decode(chat.prompt_ids("mul:2*3=", [ToolSpec(name="calculator", namespace="builtin")]))
     assert prompt == "[tools:calculator;]<u>mul:2*3=<e><a>"

@@ -9,8 +9,8 @@ import sys
 import msgspec
 import pytest
 
-from marlaas import events
-from marlaas.events import (
+from marlaas.platform import events
+from marlaas.platform.events import (
     BATCH,
     COMMITTED,
     JOB,
@@ -200,6 +200,6 @@ def test_job_state_finished():
 
 
 def test_events_module_imports_neither_torch_nor_vllm():
-    code = "import sys, marlaas.events; print(sorted({'torch', 'vllm'} & set(sys.modules)))"
+    code = "import sys, marlaas.platform.events; print(sorted({'torch', 'vllm'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -9,8 +9,8 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from marlaas import api
-from marlaas.events import (
+from marlaas.platform import api
+from marlaas.platform.events import (
     BATCH, COMMITTED, JOB, JOB_RECORD, METRIC, POLICY, REWARD, TOOL, TRAJECTORY, Blob, EventDecodeError,
     PolicyCommitted, encode,
 )

@@ -9,10 +9,10 @@ import tarfile
 
 import pytest
 
-from marlaas.events import JobRecord, JobSpec, JobState
-from marlaas.report import step_times
+from marlaas.platform.events import JobRecord, JobSpec, JobState
+from marlaas.cli.report import step_times
 from marlaas.sdk.http import parse_sse
-from marlaas.sdk.schema import VersionInfo
+from marlaas.platform.http_api import VersionInfo
 from services.gateway.event_stream import BadEventId, parse_event_id, sse
 from services.gateway.reads import job_info, owned_job_id, queue_positions
 from services.gateway.submission import SubmissionRefused, check_submission, parse_body
@@ -222,7 +222,7 @@ def test_a_client_is_told_when_the_starting_stack_died(tmp_path, monkeypatch):
 def test_metrics_show_held_out_scores_without_naming_jobs():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from marlaas.events import EvalPoint, JobRecord, JobSpec
+    from marlaas.platform.events import EvalPoint, JobRecord, JobSpec
     from services.gateway.metrics import RecordFigures
 
     def record(job: str, evals: list[EvalPoint]) -> JobRecord:

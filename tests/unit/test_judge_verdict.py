@@ -3,8 +3,8 @@ before any HTTP call (the HTTP paths run against a real server in tests/integrat
 
 import pytest
 
-from marlaas.config import ConfigError, load_config
-from marlaas.events import RewardItem, RewardRequest
+from marlaas.platform.config import ConfigError, load_config
+from marlaas.platform.events import RewardItem, RewardRequest
 from marlaas.tools.registry import reward_subject
 from services.env.judge import JUDGE_SUBJECT, MAX_ANSWER_CHARS, Judge, judge_prompt, judged_answer, parse_verdict
 

@@ -7,8 +7,9 @@ import re
 import bcrypt
 import pytest
 
-from marlaas import natsauth
-from marlaas.tenants import TenantError, check_tenant_name, new_token, tenant_of_token
+from marlaas.stack import broker_auth
+from marlaas.platform import nats_access
+from marlaas.platform.tenants import TenantError, check_tenant_name, new_token, tenant_of_token
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -30,7 +31,7 @@ def allowed(block: str, kind: str) -> list[str]:
 
 
 def test_the_platform_and_each_tenant_are_accounts_of_their_own():
-    text = natsauth.render_auth("$2a$06$services", [("acme", "$2a$06$acme"), ("beta", "$2a$06$beta")])
+    text = broker_auth.render_auth("$2a$06$services", [("acme", "$2a$06$acme"), ("beta", "$2a$06$beta")])
     assert text.startswith("# Generated") and "authorization {" not in text
     found = accounts(text)
     assert set(found) == {"PLATFORM", "acme", "beta"}
@@ -42,7 +43,7 @@ def test_the_platform_and_each_tenant_are_accounts_of_their_own():
 
 
 def test_a_tenant_imports_only_subjects_with_its_own_name():
-    found = accounts(natsauth.render_auth("h", [("acme", "a"), ("beta", "b")]))
+    found = accounts(broker_auth.render_auth("h", [("acme", "a"), ("beta", "b")]))
     platform, acme = found["PLATFORM"], found["acme"]
     # the platform exports each per-tenant subject with the tenant's token position ...
     assert re.findall(r'\{(stream|service): "([^"]+)", account_token_position: (\d)\}', platform) == [
@@ -61,37 +62,37 @@ def test_a_tenant_imports_only_subjects_with_its_own_name():
 
 
 def test_inside_its_account_a_tenant_may_serve_hear_and_announce_only_its_own():
-    perms = natsauth.tenant_permissions("acme")
+    perms = broker_auth.tenant_permissions("acme")
     assert set(perms.subscribe) == {
         "marlaas.tool.acme.>", "marlaas.reward.acme.>", "marlaas.policy.committed.acme.>",
         "marlaas.job.*.acme.>", "_INBOX_acme.>",
     }
     assert perms.publish == ("marlaas.registry.acme.announce",)
-    rendered = users(natsauth.render_auth("$2a$06$x", [("acme", "$2a$06$y")]))["acme"]
+    rendered = users(broker_auth.render_auth("$2a$06$x", [("acme", "$2a$06$y")]))["acme"]
     assert allowed(rendered, "publish") == list(perms.publish)
     assert allowed(rendered, "subscribe") == list(perms.subscribe)
 
 
 @pytest.mark.parametrize("forbidden", [
     "$JS", "$KV", "CREATE", "DURABLE", "DELETE", "PURGE", "DIRECT.GET", "MSG.GET", "TRAJ", "trajectory",
-    "marlaas.api", "marlaas.span", "_INBOX.",
+    "marlaas.platform.api", "marlaas.span", "_INBOX.",
 ])
 def test_a_tenant_gets_no_dangerous_grant(forbidden):
-    perms = natsauth.tenant_permissions("acme")
+    perms = broker_auth.tenant_permissions("acme")
     granted = perms.publish + perms.subscribe
     assert ">" not in granted and not any(forbidden in subject for subject in granted)
 
 
 def test_tenants_are_sorted_and_a_tenant_cannot_be_the_services_user():
-    text = natsauth.render_auth("h", [("zeta", "z"), ("acme", "a")])
+    text = broker_auth.render_auth("h", [("zeta", "z"), ("acme", "a")])
     assert text.index('user: "acme"') < text.index('user: "zeta"')
     for platform in ("services", "PLATFORM", "$G", "$SYS"):
         with pytest.raises(ValueError, match="platform's name"):
-            natsauth.render_auth("h", [(platform, "x")])
+            broker_auth.render_auth("h", [(platform, "x")])
     with pytest.raises(TenantError):
         check_tenant_name("services")
     with pytest.raises(ValueError, match="cannot be written"):
-        natsauth.render_auth('h"', [])
+        broker_auth.render_auth('h"', [])
 
 
 @pytest.mark.parametrize("name", ["builtin", "judge", "services", "platform", "sys", "$sys", "$G", "_inbox", "_x"])
@@ -104,12 +105,12 @@ def test_reserved_names_cannot_be_tenants(name):
 def test_the_hash_is_bcrypt_in_the_form_nats_server_reads_and_tokens_fit_in_it():
     token = new_token("a" * 32)  # the longest tenant name
     assert len(token.encode()) <= 72 and tenant_of_token(token) == "a" * 32
-    hashed = natsauth.bcrypt_hash(token)
-    assert hashed.startswith(f"$2a${natsauth.BCRYPT_ROUNDS:02d}$")
+    hashed = nats_access.bcrypt_hash(token)
+    assert hashed.startswith(f"$2a${nats_access.BCRYPT_ROUNDS:02d}$")
     assert bcrypt.checkpw(token.encode(), hashed.encode())
     assert not bcrypt.checkpw(new_token("a" * 32).encode(), hashed.encode())
     with pytest.raises(ValueError, match="72 bytes"):
-        natsauth.bcrypt_hash("x" * 73)
+        nats_access.bcrypt_hash("x" * 73)
 
 
 def test_tenant_of_token_reads_only_well_formed_tokens():
@@ -119,13 +120,13 @@ def test_tenant_of_token_reads_only_well_formed_tokens():
 
 
 def test_credentials_in_urls():
-    url = natsauth.url_with_credentials("nats://127.0.0.1:4222", "acme", "mlt_acme_00ff")
+    url = nats_access.url_with_credentials("nats://127.0.0.1:4222", "acme", "mlt_acme_00ff")
     assert url == "nats://acme:mlt_acme_00ff@127.0.0.1:4222"
-    assert natsauth.url_credentials(url) == ("acme", "mlt_acme_00ff")
-    assert natsauth.redact_url(url) == "nats://127.0.0.1:4222"
-    replaced = natsauth.url_with_credentials(url, "services", "p@ss/word")
-    assert natsauth.url_credentials(replaced) == ("services", "p@ss/word")
-    assert natsauth.redact_url(replaced) == "nats://127.0.0.1:4222"
-    assert natsauth.url_credentials("nats://nats:4222") == ("", "")
-    assert natsauth.redact_url("nats://nats:4222") == "nats://nats:4222"
-    assert natsauth.inbox_prefix("acme") == "_INBOX_acme"
+    assert nats_access.url_credentials(url) == ("acme", "mlt_acme_00ff")
+    assert nats_access.redact_url(url) == "nats://127.0.0.1:4222"
+    replaced = nats_access.url_with_credentials(url, "services", "p@ss/word")
+    assert nats_access.url_credentials(replaced) == ("services", "p@ss/word")
+    assert nats_access.redact_url(replaced) == "nats://127.0.0.1:4222"
+    assert nats_access.url_credentials("nats://nats:4222") == ("", "")
+    assert nats_access.redact_url("nats://nats:4222") == "nats://nats:4222"
+    assert nats_access.inbox_prefix("acme") == "_INBOX_acme"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from marlaas.events import JobRecord, JobSpec, JobState
+from marlaas.platform.events import JobRecord, JobSpec, JobState
 from services.rollout.rounds import SyncRounds, round_members
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from marlaas.events import RewardItem, RewardRequest
+from marlaas.platform.events import RewardItem, RewardRequest
 from marlaas.tasks import REGISTRY, TaskError, get_task
 from marlaas.tasks.search_qa import exact_match, extract_answer, normalize_answer, qa_score, token_f1
 from marlaas.tools import DEFAULT_CORPUS, ToolError, tool

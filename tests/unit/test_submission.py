@@ -3,8 +3,8 @@
 
 import pytest
 
-from marlaas.api import SubmitError, parse_submission
-from marlaas.cli import build_parser, submission_from_args
+from marlaas.platform.api import SubmitError, parse_submission
+from marlaas.cli.commands import build_parser, submission_from_args
 
 
 def test_submission_defaults_and_overrides():

@@ -8,7 +8,7 @@ from marlaas.tasks import REGISTRY, TaskError, get_task
 from marlaas.tasks.base import char_match
 from marlaas.tasks.gsm8k import final_answer
 from services.env.rewards import RewardBook
-from marlaas.events import RewardItem, RewardRequest
+from marlaas.platform.events import RewardItem, RewardRequest
 
 
 def test_problems_are_reproducible_from_the_seed():

@@ -7,8 +7,8 @@ import json
 import msgspec
 import pytest
 
-from marlaas.config import ConfigError, load_config
-from marlaas.events import TOOL, RewardItem, RewardRequest, ToolCall, ToolResult, encode
+from marlaas.platform.config import ConfigError, load_config
+from marlaas.platform.events import TOOL, RewardItem, RewardRequest, ToolCall, ToolResult, encode
 from marlaas.tools import DEFAULT_CORPUS, ToolError, ToolNameError, qualify, reward, tool, tool_subject
 from marlaas.tools.registry import reward_subject
 from marlaas.tools.sdk import answer_reward_request, answer_tool_call, tool_output

@@ -26,13 +26,13 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from marlaas.audit import audit_training
-from marlaas.bus import Bus
-from marlaas.client import Client
-from marlaas.config import load_config
-from marlaas.events import POLICY
-from marlaas.launcher import Stack
-from marlaas.telemetry import read_spans
+from marlaas.platform.audit import audit_training
+from marlaas.platform.bus import Bus
+from marlaas.platform.nats_client import Client
+from marlaas.platform.config import load_config
+from marlaas.platform.events import POLICY
+from marlaas.stack.launcher import Stack
+from marlaas.platform.telemetry import read_spans
 
 VICTIMS = {"trainer": 4, "env": 2, "manager": 2, "rollout": 1}  # relative odds of each kill
 TASKS = ("addition", "reverse", "repeat")

@@ -21,8 +21,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Sequence
 
-from marlaas.events import Span
-from marlaas.telemetry import UTILIZATION_JOB
+from marlaas.platform.events import Span
+from marlaas.platform.telemetry import UTILIZATION_JOB
 
 Interval = tuple[float, float]
 

@@ -3,7 +3,7 @@
 from marlaas.sdk.http import (
     BadRequest, Client, MarlaasError, NotFound, QuotaExceeded, ServerError, Unauthorized,
 )
-from marlaas.sdk.schema import EvalInfo, Event, JobInfo, VersionInfo
+from marlaas.platform.http_api import EvalInfo, Event, JobInfo, VersionInfo
 
 __all__ = [
     "BadRequest", "Client", "EvalInfo", "Event", "JobInfo", "MarlaasError", "NotFound", "QuotaExceeded",

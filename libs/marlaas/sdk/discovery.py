@@ -16,6 +16,8 @@ from pathlib import Path
 
 import msgspec
 
+from marlaas.platform.config import Config
+
 STATE_FILE = "stack.json"
 STARTING, READY = "starting", "ready"
 APPEAR_S = 5.0  # how long a client waits for a `marlaas up` started at the same moment to say so
@@ -93,3 +95,24 @@ def wait_until_ready(run_dir: Path, wait_s: float = STARTUP_WAIT_S, appear_s: fl
                     f"waiting up to {wait_s:.0f}s")
             told = True
         time.sleep(0.2)
+
+
+DEFAULT_TOKEN_FILE = "default-tenant.token"
+
+
+def default_tenant_token(config: Config) -> str | None:
+    """The token of tenant ``default`` that ``marlaas up`` left under ``<home>/run``, if any."""
+    token_file = config.home_dir / "run" / DEFAULT_TOKEN_FILE
+    return token_file.read_text().strip() if token_file.exists() else None
+
+
+def running_nats_url(config: Config) -> str:
+    """The broker a CLI call should talk to: configured, or the one ``marlaas up`` started
+    (that URL carries the services' credentials)."""
+    if config.nats_url:
+        return config.nats_url
+    marker = config.home_dir / "run" / "nats.url"
+    if not marker.exists():
+        raise StackNotReady(f"no running marlaas under {config.home_dir}: start one with `marlaas up` "
+                         "(or set MARLAAS_NATS_URL)")
+    return marker.read_text().strip()

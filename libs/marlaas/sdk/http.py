@@ -30,11 +30,10 @@ import httpx
 import msgspec
 
 from marlaas.sdk import discovery
-from marlaas.sdk.schema import (
+from marlaas.platform.http_api import (
     Cancelled, Deleted, Event, FileDeleted, FileInfo, JobInfo, Pinned, Submitted, VersionInfo,
 )
-
-PATH_FIELDS = ("dataset", "corpus", "eval_dataset")  # a job's data: local files, uploaded at submit
+from marlaas.platform.http_api import PATH_FIELDS, is_file_id
 
 
 class MarlaasError(RuntimeError):
@@ -94,11 +93,6 @@ def read_job_file(path: str | os.PathLike) -> dict:
     return job
 
 
-def is_file_id(value: object) -> bool:
-    """Whether a job's data field names an uploaded file (``file-...``) rather than a path."""
-    return isinstance(value, str) and value.startswith("file-")
-
-
 def parse_sse(lines: Iterator[str]) -> Iterator[Event]:
     """Events from text/event-stream lines (comments and retry fields skipped)."""
     fields: dict[str, str] = {}
@@ -138,7 +132,7 @@ class Client:
         url, token = os.environ.get("MARLAAS_URL", ""), os.environ.get("MARLAAS_TOKEN", "")
         if not url or not token:
             if home is None:
-                from marlaas.config import load_config
+                from marlaas.platform.config import load_config
 
                 home = load_config().home_dir
             run = Path(home).expanduser() / "run"

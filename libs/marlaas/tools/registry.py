@@ -31,9 +31,9 @@ import msgspec
 import nats.errors
 import structlog
 
-from marlaas.bus import BUCKETS, TOOLS_BUCKET, Bus
-from marlaas.events import Codec, EventDecodeError, ToolSpec, encode
-from marlaas.natsauth import registry_subject
+from marlaas.platform.bus import BUCKETS, TOOLS_BUCKET, Bus
+from marlaas.platform.events import Codec, EventDecodeError, ToolSpec, encode
+from marlaas.platform.nats_access import registry_subject
 
 log = structlog.get_logger("marlaas.tools")
 

@@ -43,8 +43,8 @@ import msgspec
 import nats
 import structlog
 
-from marlaas.bus import Bus, connect_options
-from marlaas.events import (
+from marlaas.platform.bus import Bus, connect_options
+from marlaas.platform.events import (
     REWARD,
     TOOL,
     EventDecodeError,
@@ -55,7 +55,7 @@ from marlaas.events import (
     ToolSpec,
     encode,
 )
-from marlaas.natsauth import inbox_prefix, redact_url, url_with_credentials
+from marlaas.platform.nats_access import inbox_prefix, redact_url, url_with_credentials
 from marlaas.tools.registry import (
     BUILTIN,
     check_namespace,
@@ -379,12 +379,12 @@ def broker_url(tenant: str, nats_url: str | None = None, token: str | None = Non
     ``<home>/run/default-tenant.token`` and any other tenant must give its own. Without a
     token, a URL given explicitly is used with whatever credentials it carries.
     """
-    from marlaas.tenants import tenant_of_token
+    from marlaas.platform.tenants import tenant_of_token
 
     token = token or os.environ.get("MARLAAS_TOKEN") or None
     if not nats_url:
-        from marlaas.config import load_config
-        from marlaas.launcher import default_tenant_token, running_nats_url
+        from marlaas.platform.config import load_config
+        from marlaas.sdk.discovery import default_tenant_token, running_nats_url
 
         config = load_config()
         nats_url = running_nats_url(config)  # MARLAAS_NATS_URL, else the running `marlaas up`
@@ -504,7 +504,7 @@ def serve(*functions: Tool | RewardFunction | Callable, tenant: str,
     ``token`` defaults to ``MARLAAS_TOKEN``; ``nats_url`` to ``MARLAAS_NATS_URL``, else the
     broker of a running ``marlaas up`` (see :func:`broker_url`).
     """
-    from marlaas.logs import setup_logging
+    from marlaas.platform.logs import setup_logging
 
     setup_logging(f"tools-{tenant}")
     asyncio.run(serve_async(*functions, tenant=tenant, nats_url=nats_url, token=token))

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import structlog
 
-from marlaas.bus import Bus
-from marlaas.config import Config, EnvConfig
-from marlaas.files import DataFiles, FileMissing, is_file_id
+from marlaas.platform.bus import Bus
+from marlaas.platform.config import Config, EnvConfig
+from marlaas.platform.files import DataFiles, FileMissing, is_file_id
 from marlaas.tools import BUILTIN, DEFAULT_CORPUS, ServedTools, Tool, ToolError, serve_tools, tool
 from services.env.tools.calculator import CalculatorError, calculate, format_value
 from services.env.tools.latency import InjectedLatency

@@ -14,8 +14,8 @@ import math
 import uuid
 from pathlib import Path
 
-from marlaas.events import Blob, LoraSettings
-from marlaas.store import ObjectStore
+from marlaas.platform.events import Blob, LoraSettings
+from marlaas.platform.store import ObjectStore
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import msgspec
 
-from marlaas import api
-from marlaas.bus import Bus
+from marlaas.platform import api
+from marlaas.platform.bus import Bus
 from nats.js.api import DeliverPolicy
 
-from marlaas.events import JOB, POLICY, TRAJECTORY, JobState, JobStateChanged, PolicyCommitted, TrajectoryReady
+from marlaas.platform.events import JOB, POLICY, TRAJECTORY, JobState, JobStateChanged, PolicyCommitted, TrajectoryReady
 
 FINISHED = {s.value for s in JobState if s.finished}
 
@@ -86,8 +86,8 @@ class Client:
         """Copy a committed version's adapter (a PEFT directory) to ``dest``, its sha256 verified."""
         if not self.store_url:
             raise ApiError("pulling adapters needs the stack's object store: Client.connect(..., store_url=...)")
-        from marlaas.adapters import materialize
-        from marlaas.store import ObjectNotFound, open_store
+        from marlaas.platform.adapters import materialize
+        from marlaas.platform.store import ObjectNotFound, open_store
 
         try:
             return await asyncio.to_thread(materialize, open_store(self.store_url), event.adapter, Path(dest))

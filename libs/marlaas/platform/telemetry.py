@@ -13,10 +13,10 @@ import time
 
 import structlog
 
-from marlaas.bus import Bus
-from marlaas.events import Span, encode
+from marlaas.platform.bus import Bus
+from marlaas.platform.events import Span, encode
 
-log = structlog.get_logger("marlaas.telemetry")
+log = structlog.get_logger("marlaas.platform.telemetry")
 
 
 UTILIZATION_JOB = "_rollout"  # rollout's engine / tool utilization spans are filed under this name
@@ -42,6 +42,6 @@ async def span(bus: Bus, service: str, phase: str, job: str, version: int, **att
 
 async def read_spans(bus: Bus, job: str = ">") -> list[Span]:
     """Every span recorded so far (for one job, or all), oldest first."""
-    from marlaas.events import METRIC
+    from marlaas.platform.events import METRIC
 
     return [METRIC.decode(data) for data in await bus.read_all("METRICS", span_subject(job))]

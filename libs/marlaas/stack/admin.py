@@ -1,7 +1,7 @@
 """``marlaas tenant``: add, list and revoke tenants; the broker's users follow.
 
 The ``tenants`` KV bucket is the source of truth. Each command that changes it then
-re-renders the broker's ``auth.conf`` from it (:func:`marlaas.tenants.write_broker_auth`),
+re-renders the broker's ``auth.conf`` from it (:func:`marlaas.stack.broker_auth.write_broker_auth`),
 validates the file with ``nats-server -t`` and reloads the server with SIGHUP: a new tenant
 can connect at once, a revoked one is cut off, nothing restarts. The commands connect as the
 ``services`` user (the URL of a running ``marlaas up``, or ``MARLAAS_NATS_URL``) and run where
@@ -21,8 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from marlaas import natsauth
-from marlaas.config import Config
+from marlaas.stack import broker_auth
+from marlaas.platform import nats_access
+from marlaas.platform.config import Config
 
 AUTH_FILE_ENV = "MARLAAS_NATS_AUTH_FILE"
 SERVICES_PASSWORD_ENV = "MARLAAS_NATS_PASSWORD"
@@ -81,18 +82,18 @@ def broker_files(config: Config, auth_file: str | None) -> BrokerFiles:
     nats_dir = config.home_dir / "nats"
     pid_files = [nats_dir / "nats-server.pid", *sorted(nats_dir.glob("node-*/nats-server.pid"))]
     servers = tuple((pid, pid.with_name("nats-server.log")) for pid in pid_files if pid.exists())
-    return BrokerFiles(nats_dir / natsauth.AUTH_FILE, servers)
+    return BrokerFiles(nats_dir / broker_auth.AUTH_FILE, servers)
 
 
 async def _with_bus(config: Config, fn):
-    from marlaas.bus import Bus
-    from marlaas.launcher import running_nats_url
+    from marlaas.platform.bus import Bus
+    from marlaas.sdk.discovery import running_nats_url
 
     url = running_nats_url(config)
     try:
         bus = await Bus.connect(url, name="marlaas-admin", timeout_s=10.0)
     except ConnectionError:
-        raise ConnectionError(f"no NATS server answers at {natsauth.redact_url(url)} "
+        raise ConnectionError(f"no NATS server answers at {nats_access.redact_url(url)} "
                               "(is marlaas up?)") from None
     try:
         return await fn(bus, url)
@@ -102,15 +103,15 @@ async def _with_bus(config: Config, fn):
 
 async def _sync_broker(bus, url: str, config: Config, args) -> str:
     """Re-render and reload; return what happened: ``reloaded``, ``written`` or ``no-auth-file``."""
-    from marlaas.tenants import write_broker_auth
+    from marlaas.stack.broker_auth import write_broker_auth
 
     files = broker_files(config, args.auth_file)
     if files.auth_file is None:
         return "no-auth-file"
-    user, password = natsauth.url_credentials(url)
-    if user != natsauth.SERVICES_USER or not password:
-        raise natsauth.AuthConfigError(
-            f"the broker URL must carry the {natsauth.SERVICES_USER!r} user's password to render "
+    user, password = nats_access.url_credentials(url)
+    if user != nats_access.SERVICES_USER or not password:
+        raise broker_auth.AuthConfigError(
+            f"the broker URL must carry the {nats_access.SERVICES_USER!r} user's password to render "
             "auth.conf (nats://services:PASSWORD@host:port)")
     reloaded = await write_broker_auth(bus, files.auth_file, password, files.servers)
     return "reloaded" if reloaded else "written"
@@ -133,7 +134,7 @@ def _print_json(obj) -> None:
 
 
 def cmd_add(args, config: Config) -> int:
-    from marlaas.tenants import DEFAULT_MAX_JOBS, DEFAULT_MAX_SAMPLES, add_tenant
+    from marlaas.platform.tenants import DEFAULT_MAX_JOBS, DEFAULT_MAX_SAMPLES, add_tenant
 
     async def go(bus, url):
         max_jobs = DEFAULT_MAX_JOBS if args.max_jobs is None else args.max_jobs
@@ -161,7 +162,7 @@ def cmd_add(args, config: Config) -> int:
 
 
 def cmd_list(args, config: Config) -> int:
-    from marlaas.tenants import list_tenants
+    from marlaas.platform.tenants import list_tenants
 
     records = asyncio.run(_with_bus(config, lambda bus, url: list_tenants(bus)))
     rows = [{"name": r.name, "active": r.active, "max_jobs": r.max_jobs, "max_samples": r.max_samples,
@@ -178,7 +179,7 @@ def cmd_list(args, config: Config) -> int:
 
 
 def cmd_revoke(args, config: Config) -> int:
-    from marlaas.tenants import revoke_tenant
+    from marlaas.platform.tenants import revoke_tenant
 
     async def go(bus, url):
         record = await revoke_tenant(bus, args.name)
@@ -211,18 +212,18 @@ def cmd_init_auth(args, config: Config) -> int:
     auth_file = broker_files(config, args.auth_file).auth_file
     if auth_file is None:
         raise ValueError(f"init-auth needs --auth-file or ${AUTH_FILE_ENV}")
-    password = os.environ.get(SERVICES_PASSWORD_ENV) or natsauth.url_credentials(config.nats_url)[1]
+    password = os.environ.get(SERVICES_PASSWORD_ENV) or nats_access.url_credentials(config.nats_url)[1]
     if not password:
         raise ValueError(f"set ${SERVICES_PASSWORD_ENV} (the services user's NATS password)")
     if auth_file.exists():
         text = auth_file.read_text()
-        updated = natsauth.with_services_password(text, password)
+        updated = broker_auth.with_services_password(text, password)
         outcome = "unchanged" if updated == text else "updated"
         if updated != text:
-            natsauth.write_auth_conf(auth_file, updated)
+            broker_auth.write_auth_conf(auth_file, updated)
     else:
         outcome = "created"
-        natsauth.write_auth_conf(auth_file, natsauth.render_auth(natsauth.bcrypt_hash(password), []))
+        broker_auth.write_auth_conf(auth_file, broker_auth.render_auth(nats_access.bcrypt_hash(password), []))
     if args.json:
         _print_json({"auth_file": str(auth_file), "outcome": outcome})
     else:

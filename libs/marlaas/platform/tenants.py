@@ -8,7 +8,7 @@ field a caller writes.
 
 The token is also the tenant's NATS password (user = tenant name, in a NATS account of its
 own): the record keeps its bcrypt hash too, so the broker's ``auth.conf`` can be rendered from
-this bucket alone (:func:`write_broker_auth`, rules in :mod:`marlaas.natsauth`).
+this bucket alone (:func:`write_broker_auth`, rules in :mod:`marlaas.stack.broker_auth`).
 """
 
 from __future__ import annotations
@@ -18,17 +18,15 @@ import hmac
 import re
 import secrets
 import time
-from collections.abc import Sequence
-from pathlib import Path
 
 import msgspec
 import structlog
 
-from marlaas import natsauth
-from marlaas.bus import TENANTS_BUCKET, TOOLS_BUCKET, Bus, StaleRevision
-from marlaas.events import Codec, Wire, encode
+from marlaas.platform import nats_access
+from marlaas.platform.bus import TENANTS_BUCKET, TOOLS_BUCKET, Bus, StaleRevision
+from marlaas.platform.events import Codec, Wire, encode
 
-log = structlog.get_logger("marlaas.tenants")
+log = structlog.get_logger("marlaas.platform.tenants")
 
 TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 # 128 random bits: with the longest name a token is 69 bytes, within the 72 that bcrypt reads
@@ -39,7 +37,7 @@ DEFAULT_MAX_JOBS = 8
 DEFAULT_MAX_SAMPLES = 256
 # names the platform speaks for: the built-in namespace (tools, rewards), its services and their
 # broker user, and NATS' own account and inbox prefixes
-RESERVED_NAMES = ("builtin", "judge", natsauth.SERVICES_USER, "platform", "sys")
+RESERVED_NAMES = ("builtin", "judge", nats_access.SERVICES_USER, "platform", "sys")
 RESERVED_PREFIXES = ("$", "_")
 
 
@@ -102,7 +100,7 @@ async def add_tenant(bus: Bus, name: str, max_jobs: int = DEFAULT_MAX_JOBS,
         raise TenantError(f"--max-samples must be at least 2, one GRPO group (got {max_samples})")
     token = new_token(name)
     record = TenantRecord(name=name, token_sha256=token_sha256(token), max_jobs=max_jobs, max_samples=max_samples,
-                          token_bcrypt=natsauth.bcrypt_hash(token), created_at=time.time())
+                          token_bcrypt=nats_access.bcrypt_hash(token), created_at=time.time())
     try:
         await bus.kv_create(TENANTS_BUCKET, name, encode(record))
     except StaleRevision:
@@ -120,7 +118,7 @@ async def rotate_token(bus: Bus, name: str) -> tuple[TenantRecord, str]:
         raise TenantError(f"tenant {name!r} was revoked; add a tenant under another name")
     token = new_token(name)
     record = msgspec.structs.replace(record, token_sha256=token_sha256(token),
-                                     token_bcrypt=natsauth.bcrypt_hash(token))
+                                     token_bcrypt=nats_access.bcrypt_hash(token))
     await bus.kv_update(TENANTS_BUCKET, name, encode(record), entry.revision)
     return record, token
 
@@ -173,28 +171,3 @@ async def lock_tools_registry(bus: Bus) -> None:
     if config.allow_rollup_hdrs:
         config.allow_rollup_hdrs = False
         await bus.js.update_stream(config)
-
-
-async def write_broker_auth(bus: Bus, auth_file: Path, services_password: str,
-                            servers: Sequence[tuple[Path, Path | None]] = ()) -> bool:
-    """Render ``auth_file`` from the bucket (every active tenant with a broker password),
-    validate it, and reload each server of ``servers``, given as (pid file, log file), waiting
-    for its log to confirm (if given); True if it reloaded any.
-
-    Also makes sure the registry's rollup lock is on (only the platform writes the bucket; the
-    lock keeps even a faulty platform write from purging it).
-    """
-    await lock_tools_registry(bus)
-    users = []
-    for record in await list_tenants(bus):
-        if not record.active:
-            continue
-        if not record.token_bcrypt:
-            log.warning("tenant has no broker password; rotate its token", tenant=record.name)
-            continue
-        users.append((record.name, record.token_bcrypt))
-    text = natsauth.render_auth(natsauth.bcrypt_hash(services_password), users)
-    natsauth.write_auth_conf(auth_file, text)
-    for pid_file, log_file in servers:
-        natsauth.reload_server(pid_file, log_file)
-    return bool(servers)

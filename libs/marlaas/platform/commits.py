@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from marlaas.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
-from marlaas.events import (
+from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
+from marlaas.platform.events import (
     COMMITTED,
     JOB_RECORD,
     CommittedVersion,

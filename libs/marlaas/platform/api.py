@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from marlaas.events import EvalPoint, GrpoSettings, JobRecord, LoraSettings
+from marlaas.platform.events import EvalPoint, GrpoSettings, JobRecord, LoraSettings
 
 SUBMIT = "marlaas.api.submit"
 STATUS = "marlaas.api.status"

@@ -8,7 +8,7 @@ of the server, through its own reward function.
 A file's id comes from its content (``file-`` and the first 32 hex digits of its sha256): one
 tenant's same bytes uploaded twice are one file. Ids live in each tenant's own prefix of the
 object store, ``files/<tenant>/<id>`` (the bytes) and ``files/<tenant>/<id>.json`` (its
-:class:`~marlaas.sdk.schema.FileInfo`, written after the bytes, so a listed file always has them): another
+:class:`~marlaas.platform.http_api.FileInfo`, written after the bytes, so a listed file always has them): another
 tenant's id names nothing, exactly like a missing one. The services read a job's file through
 :class:`DataFiles`, which fetches it once into a local cache named by its sha256.
 """
@@ -21,9 +21,8 @@ from pathlib import Path
 
 import msgspec
 
-from marlaas.sdk.http import PATH_FIELDS as DATA_FIELDS, is_file_id
-from marlaas.sdk.schema import FileInfo
-from marlaas.store import ImmutableKeyError, ObjectStore, sha256_hex
+from marlaas.platform.http_api import FileInfo, is_file_id
+from marlaas.platform.store import ImmutableKeyError, ObjectStore, sha256_hex
 from marlaas.tasks import Task, TaskError, get_task
 
 FILE_ID = re.compile(r"file-[0-9a-f]{32}")

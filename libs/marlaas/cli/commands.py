@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 
-from marlaas.config import ConfigError, load_config
+from marlaas.platform.config import ConfigError, load_config
 
 
 def _print_json(obj) -> None:
@@ -43,7 +43,7 @@ def _interrupt(*_) -> None:
 def cmd_up(args, config) -> int:
     from rich.console import Console
 
-    from marlaas.launcher import Stack, parse_replicas
+    from marlaas.stack.launcher import Stack, parse_replicas
 
     console = Console(stderr=True)
     stack = Stack(config, replicas=parse_replicas(args.replicas or ""), nats_cluster=args.nats_cluster)
@@ -86,7 +86,8 @@ def cmd_tasks(args, config) -> int:
 
 def submission_from_args(args) -> dict:
     """Merge a TOML job file with flags (flags win); ``--set grpo.learning_rate=1e-3`` style too."""
-    from marlaas.sdk.http import PATH_FIELDS, BadRequest, is_file_id, read_job_file
+    from marlaas.sdk.http import BadRequest, read_job_file
+    from marlaas.platform.http_api import PATH_FIELDS, is_file_id
 
     job: dict = {}
     if args.file:
@@ -298,7 +299,7 @@ def cmd_pull(args, config) -> int:
 
 
 def cmd_report(args, config) -> int:
-    from marlaas.report import write_report
+    from marlaas.cli.report import write_report
 
     with _client(config) as client:
         info, versions = client.job(args.job), client.versions(args.job)
@@ -402,11 +403,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "async-adaptive,inprocess (default: the workload's)")
     p.add_argument("--quick", action="store_true", help="fewer versions and sweep points (minutes, not hours)")
     p.add_argument("--out", help="directory for results.json, results.md and the plots")
-    # --- tenant administration: `marlaas tenant ...` from libs/marlaas/admin.py, where it exists ---
+    # --- tenant administration: `marlaas tenant ...` from libs/marlaas/stack/admin.py, where it exists ---
     try:
-        from marlaas.admin import add_tenant_commands
+        from marlaas.stack.admin import add_tenant_commands
     except ModuleNotFoundError as exc:
-        if exc.name != "marlaas.admin":
+        if exc.name != "marlaas.stack.admin":
             raise
     else:
         add_tenant_commands(sub)
@@ -422,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, overrides={"home": args.home})
         if args.command != "up":
-            from marlaas.logs import setup_logging
+            from marlaas.platform.logs import setup_logging
 
             setup_logging("cli", config.log_format, "warning")
         return args.fn(args, config)

@@ -14,11 +14,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from marlaas.bus import Bus
-from marlaas.config import Config, load_config, read_config_json
-from marlaas.logs import setup_logging
-from marlaas.processes import SHUTDOWN_GRACE_S, end_own_group, exit_if_still_running_after
-from marlaas.store import ObjectStore, open_store
+from marlaas.platform.bus import Bus
+from marlaas.platform.config import Config, load_config, read_config_json
+from marlaas.platform.logs import setup_logging
+from marlaas.platform.processes import SHUTDOWN_GRACE_S, end_own_group, exit_if_still_running_after
+from marlaas.platform.store import ObjectStore, open_store
 
 
 @dataclass

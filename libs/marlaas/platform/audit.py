@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from marlaas.events import Span
+from marlaas.platform.events import Span
 
 # fp32 on both sides agrees to ~1e-6 per token here; one optimizer step of lr 2e-3 moves it ~1e-3
 MAX_LOGPROB_GAP = 2e-4

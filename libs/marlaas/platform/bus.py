@@ -38,10 +38,10 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from marlaas.events import EventDecodeError
-from marlaas.natsauth import redact_url, server_urls, url_credentials
+from marlaas.platform.events import EventDecodeError
+from marlaas.platform.nats_access import redact_url, server_urls, url_credentials
 
-log = structlog.get_logger("marlaas.bus")
+log = structlog.get_logger("marlaas.platform.bus")
 T = TypeVar("T")
 
 RETRY_DEADLINE_S = 30.0  # a JetStream request is repeated this long (an election takes 4-10 s)

@@ -5,7 +5,7 @@ the stack through :class:`Stack`. Children run in their own sessions so a Ctrl-C
 reaches only the launcher, which then stops them in reverse start order (each
 drains its in-flight work on SIGTERM) and the broker last.
 
-The embedded broker requires credentials (:mod:`marlaas.natsauth`). Under ``<home>/run``,
+The embedded broker requires credentials (:mod:`marlaas.stack.broker_auth`). Under ``<home>/run``,
 each readable by its owner only: ``services.password`` (new at every start),
 ``nats.url`` (the broker's URL with the services' credentials in it: what the services,
 ``marlaas status`` and the test suite connect with), ``default-tenant.token`` (the token
@@ -14,7 +14,7 @@ every start unless the config names the operator's own: the bearer token of the 
 ``/metrics`` and API schema, for Prometheus and the operator, never a tenant).
 
 ``nats_cluster=3`` (``marlaas up --nats-cluster 3``) runs the broker as a three-node JetStream
-cluster on loopback (:class:`~marlaas.embedded_nats.EmbeddedNatsCluster`, under
+cluster on loopback (:class:`~marlaas.stack.embedded_nats.EmbeddedNatsCluster`, under
 ``<home>/nats/node-<i>``, keeping its own state apart from the single server's): ``nats.url``
 then lists all three servers, and every stream and bucket has three copies, so any one node
 may die without losing an acked write or stopping the jobs.
@@ -36,18 +36,19 @@ from pathlib import Path
 import msgspec
 import structlog
 
-from marlaas import natsauth
-from marlaas.natsauth import write_private
-from marlaas.config import Config, dump_config
-from marlaas.embedded_nats import EmbeddedNats, EmbeddedNatsCluster
-from marlaas.processes import SHUTDOWN_GRACE_S, kill_group, spawn
+from marlaas.platform import nats_access
+from marlaas.platform.config import Config, dump_config
+from marlaas.platform.processes import SHUTDOWN_GRACE_S, kill_group, spawn
+from marlaas.platform.store import make_private_dirs
 from marlaas.sdk import discovery
-from marlaas.store import make_private_dirs
+from marlaas.sdk.discovery import DEFAULT_TOKEN_FILE
+from marlaas.stack import broker_auth
+from marlaas.stack.broker_auth import write_private
+from marlaas.stack.embedded_nats import EmbeddedNats, EmbeddedNatsCluster
 
-log = structlog.get_logger("marlaas.launcher")
+log = structlog.get_logger("marlaas.stack.launcher")
 SERVICES = ("manager", "gateway", "env", "trainer", "rollout")
 DEFAULT_TENANT = "default"
-DEFAULT_TOKEN_FILE = "default-tenant.token"
 DEFAULT_TENANT_MAX_JOBS = 64
 CLUSTER_REPLICAS = 3  # copies of each stream and bucket on an embedded cluster (of 3 or 5 nodes)
 
@@ -132,7 +133,7 @@ class Stack:
         """What ``marlaas up`` prints: addresses (no secrets), the home dir, the token file."""
         token_file = self.default_token_file
         return {
-            "nats_url": natsauth.redact_url(self.nats_url),
+            "nats_url": nats_access.redact_url(self.nats_url),
             "gateway_url": self.gateway_url,
             "home": str(self.home),
             "store": self.resolved.store_url,
@@ -209,17 +210,17 @@ class Stack:
         """
         password = secrets.token_hex(24)
         write_private(self.run_dir / "services.password", password)
-        auth_file = self.home / "nats" / natsauth.AUTH_FILE
-        text = natsauth.render_auth(natsauth.bcrypt_hash(password), [])
+        auth_file = self.home / "nats" / broker_auth.AUTH_FILE
+        text = broker_auth.render_auth(nats_access.bcrypt_hash(password), [])
         if auth_file.exists():  # the last run's tenants can reconnect from the first moment
-            with contextlib.suppress(natsauth.AuthConfigError):  # not ours: start from scratch
-                text = natsauth.with_services_password(auth_file.read_text(), password)
-        natsauth.write_auth_conf(auth_file, text)
+            with contextlib.suppress(broker_auth.AuthConfigError):  # not ours: start from scratch
+                text = broker_auth.with_services_password(auth_file.read_text(), password)
+        broker_auth.write_auth_conf(auth_file, text)
         if self.nats_cluster > 1:
             self.nats = EmbeddedNatsCluster(auth_file.parent, self.nats_cluster, auth=True).start()
         else:
             self.nats = EmbeddedNats(auth_file.parent, auth=True).start()
-        url = natsauth.url_with_credentials(self.nats.url, natsauth.SERVICES_USER, password)
+        url = nats_access.url_with_credentials(self.nats.url, nats_access.SERVICES_USER, password)
         try:
             run_coroutine(provision_tenants(url, self.nats, password, self.default_token_file,
                                             self.config.duplicate_window_s, self.nats_replicas))
@@ -329,14 +330,13 @@ async def provision_tenants(url: str, broker: EmbeddedNats | EmbeddedNatsCluster
     """Create the topology (``replicas`` copies of each stream and bucket) and tenant ``default``
     (its token into ``token_file``), then render the broker's users from the ``tenants`` bucket
     and reload it (every node of a cluster)."""
-    from marlaas import tenants
-    from marlaas.bus import Bus
+    from marlaas.platform.bus import Bus
 
     bus = await Bus.connect(url, name="marlaas-launcher", timeout_s=15.0)
     try:
         await bus.ensure_topology(duplicate_window_s=duplicate_window_s, replicas=replicas)
         await ensure_default_tenant(bus, token_file)
-        await tenants.write_broker_auth(bus, broker.auth_file, services_password)
+        await broker_auth.write_broker_auth(bus, broker.auth_file, services_password)
         broker.reload()
     finally:
         await bus.close()
@@ -347,7 +347,7 @@ async def ensure_default_tenant(bus, token_file: Path) -> None:
 
     A revoked ``default`` stays revoked (and its token file goes).
     """
-    from marlaas import tenants
+    from marlaas.platform import tenants
 
     record = await tenants.get_tenant(bus, DEFAULT_TENANT)
     if record is None:  # the machine's own user: a quota that a benchmark's sweep fits in
@@ -362,21 +362,3 @@ async def ensure_default_tenant(bus, token_file: Path) -> None:
             return
         _, token = await tenants.rotate_token(bus, DEFAULT_TENANT)
     write_private(token_file, token)
-
-
-def default_tenant_token(config: Config) -> str | None:
-    """The token of tenant ``default`` that ``marlaas up`` left under ``<home>/run``, if any."""
-    token_file = config.home_dir / "run" / DEFAULT_TOKEN_FILE
-    return token_file.read_text().strip() if token_file.exists() else None
-
-
-def running_nats_url(config: Config) -> str:
-    """The broker a CLI call should talk to: configured, or the one ``marlaas up`` started
-    (that URL carries the services' credentials)."""
-    if config.nats_url:
-        return config.nats_url
-    marker = config.home_dir / "run" / "nats.url"
-    if not marker.exists():
-        raise StackError(f"no running marlaas under {config.home_dir}: start one with `marlaas up` "
-                         "(or set MARLAAS_NATS_URL)")
-    return marker.read_text().strip()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from marlaas.sdk.schema import JobInfo, VersionInfo
+from marlaas.platform.http_api import JobInfo, VersionInfo
 
 
 def step_times(versions: list[VersionInfo]) -> list[tuple[int, float]]:

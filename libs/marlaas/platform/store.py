@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
 
-from marlaas.events import Blob
+from marlaas.platform.events import Blob
 
 
 class ImmutableKeyError(Exception):
@@ -57,7 +57,7 @@ class ObjectStore(abc.ABC):
 
         Immutability is checked before this write, not by it: two writers racing on one
         key could both pass the check. The services never do that: every attempt at a
-        version writes under its own attempt-unique prefix (``marlaas.adapters``).
+        version writes under its own attempt-unique prefix (``marlaas.platform.adapters``).
         """
 
     @abc.abstractmethod

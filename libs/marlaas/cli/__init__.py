@@ -1,0 +1,1 @@
+"""The ``marlaas`` command line: its commands, the demo and the job report."""

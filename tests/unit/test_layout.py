@@ -1,0 +1,83 @@
+"""``libs/marlaas`` by family (issue 29): few top-level modules, the platform below the stack, the
+CLI and the SDK, and no circle of imports, read from the source (nothing is imported)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+LIBS = Path(__file__).resolve().parents[2] / "libs"
+PKG = LIBS / "marlaas"
+MAX_TOP_LEVEL = 6
+ABOVE_PLATFORM = ("marlaas.stack", "marlaas.cli", "marlaas.sdk")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(LIBS).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def imports_of(path: Path) -> set[str]:
+    """The ``marlaas`` modules ``path`` imports, lazily or not (``TYPE_CHECKING`` ones left out)."""
+    tree = ast.parse(path.read_text())
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for child in node.body for n in ast.walk(child)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("marlaas")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("marlaas") and not node.level:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                found.add(sub if sub in MODULES else node.module)
+    return {m for m in found if m in MODULES}
+
+
+GRAPH = {name: imports_of(path) for name, path in MODULES.items()}
+
+
+def test_few_modules_at_the_top():
+    top = sorted(p.name for p in PKG.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= MAX_TOP_LEVEL, f"libs/marlaas/ has {len(top)} modules at its top level: {top}"
+
+
+def test_platform_imports_no_stack_cli_or_sdk():
+    wrong = {name: sorted(m for m in deps if m.startswith(ABOVE_PLATFORM))
+             for name, deps in GRAPH.items() if name.startswith("marlaas.platform")}
+    assert not {k: v for k, v in wrong.items() if v}, wrong
+
+
+def test_no_circle_of_imports():
+    """Tarjan's strongly connected components over module-to-module imports (lazy ones too)."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for dep in GRAPH[node]:
+            if dep not in index:
+                visit(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in on_stack:
+                low[node] = min(low[node], index[dep])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for name in GRAPH:
+        if name not in index:
+            visit(name)
+    assert not circles, f"modules that import each other in a circle: {circles}"
