@@ -1,8 +1,10 @@
 """Env shell: answer reward requests on ``marlaas.reward.<task>`` in the queue group ``env``,
 the built-in ``judge`` reward on ``marlaas.reward.builtin.judge`` (see ``services/env/judge.py``),
-serve the built-in tools on ``marlaas.tool.builtin.<tool>`` (see ``services/env/tools``), and
-keep the tool registry for tenants' tools (``marlaas.registry.<tenant>.announce``: tenants live in
-NATS accounts of their own and never write the ``tools`` bucket themselves).
+serve the built-in tools on ``marlaas.tool.builtin.<tool>`` (see ``services/env/tools``; ``python``
+only with ``env.python_tool = "env"``, else the ``sandbox`` service serves it), and keep the tool
+registry for tenants' tools and the sandbox's (``marlaas.registry.<tenant>.announce``: tenants live
+in NATS accounts of their own, the sandbox is a user without JetStream, and neither writes the
+``tools`` bucket itself).
 
 Start more env processes to scale: NATS spreads requests over the queue groups.
 """

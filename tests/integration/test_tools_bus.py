@@ -209,7 +209,7 @@ async def builtins(bus: Bus, home: Path, **env):
 
 async def test_builtin_tools_answer_over_the_bus(tools_bus, tmp_path):
     bus = tools_bus
-    async with builtins(bus, tmp_path / "home", python_timeout_s=5.0):
+    async with builtins(bus, tmp_path / "home", python_timeout_s=5.0, python_tool="env"):
         assert [t.name for t in await list_tools(bus, "builtin")] == ["calculator", "python", "search"]
         assert (await call_tool(bus, "calculator", '{"expression": "2**10 - 24"}')).output == "1000"
         refused = await call_tool(bus, "calculator", '{"expression": "__import__(\'os\')"}')

@@ -545,7 +545,7 @@ def test_without_bwrap_env_does_not_serve_python_and_says_why(tmp_path):
         import asyncio
         from marlaas.platform.config import load_config
         from services.env.tools import builtin_tools
-        config = load_config(overrides={{"home": {str(tmp_path)!r}}}, env={{}})
+        config = load_config(overrides={{"home": {str(tmp_path)!r}, "env.python_tool": "env"}}, env={{}})
         print(sorted(t.name for t in asyncio.run(builtin_tools(config))))
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
@@ -562,7 +562,8 @@ def test_isolation_none_is_served_only_when_set_and_warned_about(tmp_path):
         import asyncio
         from marlaas.platform.config import load_config
         from services.env.tools import builtin_tools
-        config = load_config(overrides={{"home": {str(tmp_path)!r}, "env.python_isolation": "none"}}, env={{}})
+        config = load_config(overrides={{"home": {str(tmp_path)!r}, "env.python_isolation": "none",
+                                         "env.python_tool": "env"}}, env={{}})
         tools = {{t.name: t for t in asyncio.run(builtin_tools(config))}}
         print(sorted(tools))
         print(asyncio.run(tools["python"].call('{{"code": "import os; print(len(os.sched_getaffinity(0)) > 0)"}}')))

@@ -22,11 +22,13 @@ pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parents[2]
 MARLAAS_SERVICES = ("manager", "rollout", "env", "trainer")
-WORKERS = ("rollout", "env", "trainer")  # scaled with replicas
+WORKERS = ("rollout", "env", "trainer", "sandbox")  # scaled with replicas
+SANDBOXES = ("sandbox", "sandbox-ha")  # the python tool's runs: the sandbox user, no platform secret
 NATS_NODES = ("nats-1", "nats-2", "nats-3")  # profile `ha`: the cluster
 HA_SERVICES = ("manager", "rollout", "env", "trainer", "gateway")  # each has a `<name>-ha` twin
 COMPOSE_ENV = {"MARLAAS_NATS_PASSWORD": "test-password",  # what an operator must set
-               "MARLAAS_OPERATOR_TOKEN": "test-operator-token-0123456789"}
+               "MARLAAS_OPERATOR_TOKEN": "test-operator-token-0123456789",
+               "MARLAAS_SANDBOX_NATS_PASSWORD": nats_access.sandbox_password("test-password")}
 VARIABLE = re.compile(r"\$\$|\$\{(?P<name>\w+)(?:(?P<op>:[-?])(?P<arg>[^}]*))?\}")
 
 
@@ -253,7 +255,8 @@ def mounted_volume(service: dict, path: PurePosixPath) -> str | None:
 
 
 def test_every_nats_client_connects_as_services_with_a_password_that_must_be_set(raw_compose, services):
-    clients = [n for n, s in services.items() if "MARLAAS_NATS_URL" in s.get("environment", {})]
+    clients = [n for n, s in services.items() if "MARLAAS_NATS_URL" in s.get("environment", {})
+               and n not in SANDBOXES]
     assert set(MARLAAS_SERVICES) <= set(clients)
     for name in clients:
         url = services[name]["environment"]["MARLAAS_NATS_URL"]
@@ -291,7 +294,8 @@ def test_the_gateway_needs_an_operator_token_and_the_header_says_how_prometheus_
         assert "MARLAAS_NATS_URL" in env and "MARLAAS_STORE_URL" in env  # the services' env, and the token
     assert not any("MARLAAS_OPERATOR_TOKEN" in services[n].get("environment", {}) for n in MARLAAS_SERVICES)
     with pytest.raises(KeyError, match="MARLAAS_OPERATOR_TOKEN must be set"):
-        interpolate(raw_compose, {"MARLAAS_NATS_PASSWORD": "test-password"})
+        interpolate(raw_compose, {"MARLAAS_NATS_PASSWORD": "test-password",
+                                  "MARLAAS_SANDBOX_NATS_PASSWORD": "x"})
     header = (ROOT / "docker-compose.yml").read_text().split("\nname:")[0]
     assert "credentials_file" in header and "bearer_token_file" in header and "Bearer" in header
 
@@ -415,3 +419,71 @@ def test_the_header_says_how_to_start_the_ha_profile():
     assert "docker compose --profile ha up -d " + " ".join(f"{n}-ha" for n in ("manager", "rollout", "env",
                                                                               "trainer", "gateway")) in header
     assert "docker compose kill -s HUP nats-1 nats-2 nats-3" in header
+
+
+# --- the sandbox: the python tool's code, with no platform secret --------------------------------
+
+
+def test_the_sandbox_runs_the_python_tool_as_the_sandbox_user_without_platform_secrets(compose, services,
+                                                                                      raw_compose, tmp_path):
+    import json
+
+    for name in SANDBOXES:
+        sandbox = services[name]
+        assert command_line(sandbox)[:3] == ["python", "-m", "services.sandbox"]
+        assert sandbox["build"] == "." and sandbox["image"] == services["env"]["image"]
+        env = sandbox["environment"]
+        assert set(env) == {"MARLAAS_NATS_URL", "MARLAAS_HOME"}  # no S3 key, no store, no token
+        servers = nats_access.server_urls(env["MARLAAS_NATS_URL"])
+        assert {nats_access.url_credentials(url) for url in servers} == {
+            (nats_access.SANDBOX_USER, nats_access.sandbox_password(COMPOSE_ENV["MARLAAS_NATS_PASSWORD"]))}
+        dumped = json.dumps(sandbox)
+        assert COMPOSE_ENV["MARLAAS_NATS_PASSWORD"] not in dumped and "S3" not in dumped
+        assert "services:" not in dumped
+        words = command_line(sandbox)
+        toml = tmp_path / f"{name}.toml"
+        toml.write_text(config_content(compose, sandbox, words[words.index("--config") + 1]))
+        config = load_config(toml, env=env)
+        assert config.nats_url == env["MARLAAS_NATS_URL"] and config.env.python_tool == "sandbox"
+        assert all(host_and_port(url)[0] in dependencies(services, name) for url in servers)
+    assert services["sandbox-ha"]["profiles"] == ["ha"]
+    with pytest.raises(KeyError, match="MARLAAS_SANDBOX_NATS_PASSWORD must be set"):
+        interpolate(raw_compose, {k: v for k, v in COMPOSE_ENV.items() if k != "MARLAAS_SANDBOX_NATS_PASSWORD"})
+
+
+def test_env_leaves_python_to_the_sandbox(compose, services, tmp_path):
+    env = services["env"]
+    words = command_line(env)
+    toml = tmp_path / "env.toml"
+    toml.write_text(config_content(compose, env, words[words.index("--config") + 1]))
+    assert load_config(toml, env=env["environment"]).env.python_tool == "sandbox"
+
+
+def test_the_sandbox_gets_only_the_capabilities_bubblewrap_needs(services):
+    header = (ROOT / "docker-compose.yml").read_text().split("\nname:")[0]
+    for name in SANDBOXES:
+        sandbox = services[name]
+        assert sandbox["cap_drop"] == ["ALL"]
+        assert sorted(sandbox["cap_add"]) == ["KILL", "SETGID", "SETPCAP", "SETUID", "SYS_ADMIN"]
+        assert sorted(sandbox["security_opt"]) == ["apparmor=unconfined", "seccomp=unconfined"]
+        assert sandbox["user"] == "0" and "privileged" not in sandbox
+        for capability in sandbox["cap_add"]:
+            assert f"CAP_{capability}" in header  # each one documented
+    for name, service in services.items():  # nothing else gets a grant
+        if name not in SANDBOXES:
+            assert not {"cap_add", "security_opt", "privileged"} & set(service), name
+
+
+def test_the_header_says_how_to_derive_the_sandbox_password(tmp_path):
+    import shutil
+
+    header = (ROOT / "docker-compose.yml").read_text().split("\nname:")[0]
+    assert "MARLAAS_SANDBOX_NATS_PASSWORD" in header and "tenant sandbox-password" in header
+    parser = argparse.ArgumentParser(prog="marlaas")
+    add_tenant_commands(parser.add_subparsers(dest="command", required=True))
+    assert parser.parse_args(["tenant", "sandbox-password"]).fn.__name__ == "cmd_sandbox_password"
+    [line] = [line.lstrip("# ").split(":", 1)[1] for line in header.splitlines() if "openssl dgst" in line]
+    if shutil.which("openssl"):
+        done = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=30, check=True,
+                              env={"PATH": "/usr/bin:/bin", "MARLAAS_NATS_PASSWORD": "test-password"})
+        assert done.stdout.strip() == nats_access.sandbox_password("test-password")

@@ -31,13 +31,14 @@ def allowed(block: str, kind: str) -> list[str]:
 
 
 def test_the_platform_and_each_tenant_are_accounts_of_their_own():
-    text = broker_auth.render_auth("$2a$06$services", [("acme", "$2a$06$acme"), ("beta", "$2a$06$beta")])
+    text = broker_auth.render_auth("services-pw", [("acme", "$2a$06$acme"), ("beta", "$2a$06$beta")])
     assert text.startswith("# Generated") and "authorization {" not in text
+    assert "services-pw" not in text  # only its hash
     found = accounts(text)
     assert set(found) == {"PLATFORM", "acme", "beta"}
     assert "jetstream: enabled" in found["PLATFORM"]
     assert not any("jetstream" in found[t] for t in ("acme", "beta"))  # no JetStream for tenants
-    assert set(users(found["PLATFORM"])) == {"services"} and set(users(found["acme"])) == {"acme"}
+    assert set(users(found["PLATFORM"])) == {"services", "sandbox"} and set(users(found["acme"])) == {"acme"}
     assert "permissions" not in users(found["PLATFORM"])["services"]
     assert '"$2a$06$acme"' in found["acme"] and "allow_responses: true" in found["acme"]
 
@@ -92,10 +93,54 @@ def test_tenants_are_sorted_and_a_tenant_cannot_be_the_services_user():
     with pytest.raises(TenantError):
         check_tenant_name("services")
     with pytest.raises(ValueError, match="cannot be written"):
-        broker_auth.render_auth('h"', [])
+        broker_auth.render_auth("h", [("acme", 'x"')])
 
 
-@pytest.mark.parametrize("name", ["builtin", "judge", "services", "platform", "sys", "$sys", "$G", "_inbox", "_x"])
+# --- the sandbox user: the python tool's own service -------------------------------------------
+
+
+def password_of(block: str) -> str:
+    return re.search(r'password: "([^"]+)"', block)[1]
+
+
+def test_the_sandbox_user_may_only_serve_the_python_tool_and_announce_it():
+    perms = broker_auth.sandbox_permissions()
+    assert perms.publish == ("marlaas.registry.builtin.announce",)
+    assert perms.subscribe == ("marlaas.tool.builtin.python tool-builtin", "_INBOX_sandbox.>")
+    assert perms.allow_responses
+    block = users(accounts(broker_auth.render_auth("pw", []))["PLATFORM"])["sandbox"]
+    assert allowed(block, "publish") == list(perms.publish)
+    assert allowed(block, "subscribe") == list(perms.subscribe)
+    assert "allow_responses: true" in block
+    assert bcrypt.checkpw(nats_access.sandbox_password("pw").encode(), password_of(block).encode())
+    with pytest.raises(ValueError, match="platform's name"):
+        broker_auth.render_auth("h", [("sandbox", "x")])  # a user name is unique across accounts
+    with pytest.raises(TenantError, match="reserved"):
+        check_tenant_name("sandbox")
+
+
+def test_the_sandbox_password_derives_one_way_from_the_services_password():
+    derived = nats_access.sandbox_password("services-pw")
+    assert derived == nats_access.sandbox_password("services-pw") and len(derived) == 48
+    assert re.fullmatch(r"[0-9a-f]{48}", derived) and "services-pw" not in derived
+    assert derived != nats_access.sandbox_password("services-pw2")
+
+
+def test_every_rerender_with_the_services_password_keeps_the_sandbox_user():
+    text = broker_auth.render_auth("pw", [("acme", "$2a$06$acme")])
+    assert broker_auth.with_services_password(text, "pw") is text  # nothing to change
+    changed = broker_auth.with_services_password(text, "pw2")
+    sandbox = users(accounts(changed)["PLATFORM"])["sandbox"]
+    assert bcrypt.checkpw(nats_access.sandbox_password("pw2").encode(), password_of(sandbox).encode())
+    assert '"$2a$06$acme"' in changed
+    older = "\n".join(line for line in text.splitlines() if '"sandbox"' not in line)  # before the sandbox
+    added = broker_auth.with_services_password(older, "pw")
+    assert set(users(accounts(added)["PLATFORM"])) == {"services", "sandbox"}
+    assert broker_auth.with_services_password(added, "pw") is added
+
+
+@pytest.mark.parametrize("name", ["builtin", "judge", "services", "sandbox", "platform", "sys", "$sys", "$G",
+                                  "_inbox", "_x"])
 def test_reserved_names_cannot_be_tenants(name):
     with pytest.raises(TenantError, match=rf"tenant name {re.escape(repr(name))} is reserved .*: choose another name"):
         check_tenant_name(name)

@@ -200,17 +200,20 @@ class Bus:
         self._requests: set[asyncio.Task] = set()  # in-flight request handlers, kept and drained
 
     @classmethod
-    async def connect(cls, url: str, name: str = "marlaas", timeout_s: float | None = None) -> Bus:
+    async def connect(cls, url: str, name: str = "marlaas", timeout_s: float | None = None,
+                      inbox_prefix: str | None = None) -> Bus:
         """Connect with unlimited reconnects; the topology must exist (see :meth:`ensure_topology`).
 
         ``url`` is one server or a cluster's, comma-separated (see :func:`connect_options`).
         ``timeout_s`` bounds the first connection (clients: fail fast if nothing is there).
+        ``inbox_prefix``: the reply subjects' prefix a restricted user must use (the sandbox's).
         """
 
         async def on_error(exc: Exception) -> None:
             log.warning("nats error", error=str(exc), client=name)
 
-        connecting = nats.connect(**connect_options(url), name=name, error_cb=on_error)
+        inbox = {"inbox_prefix": inbox_prefix} if inbox_prefix else {}
+        connecting = nats.connect(**connect_options(url), name=name, error_cb=on_error, **inbox)
         try:
             nc = await asyncio.wait_for(connecting, timeout_s)
         except TimeoutError as exc:  # never print the credentials

@@ -100,7 +100,8 @@ class ManagerConfig(Section):
 
 
 class EnvConfig(Section):
-    """The env service's built-in tools (``search``, ``calculator``, ``python``) and rewards.
+    """The env service's built-in tools (``search``, ``calculator``, ``python``) and rewards;
+    the ``python_*`` settings also configure the ``sandbox`` service, which serves ``python``.
 
     ``tool_latency_s`` injects latency for benchmarks: it maps a tool name (bare for a
     built-in, e.g. ``"search"``) to a fixed delay in seconds (``2.0``) or to ``[low, high]``,
@@ -120,6 +121,10 @@ class EnvConfig(Section):
     # without a working bwrap env does not serve `python`, and submitting a job naming it fails) or
     # "none" (no namespaces, the operator's explicit choice: env logs a warning at start)
     python_isolation: Literal["bwrap", "none"] = "bwrap"
+    # which process runs the python tool: "sandbox" (its own service, services/sandbox, whose
+    # environment and broker user hold no platform secret; the embedded stack and compose start
+    # it) or "env" (env itself, which holds the services' password and the store's keys)
+    python_tool: Literal["sandbox", "env"] = "sandbox"
     search_corpus: str = ""  # a JSONL file of {"id", "title"?, "text"}; "" = the shipped corpus
     search_top_k: Annotated[int, msgspec.Meta(ge=1, le=20)] = 3
     search_cached_indexes: Annotated[int, msgspec.Meta(ge=1)] = 4  # jobs' corpora kept indexed in memory

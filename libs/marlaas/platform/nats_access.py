@@ -1,14 +1,18 @@
-"""How a client reaches the broker: the platform's user and account names, a tenant's
-registry subject and inbox prefix, token hashes, and credentials in broker URLs."""
+"""How a client reaches the broker: the platform's user and account names, the sandbox's
+password, a tenant's registry subject and inbox prefix, token hashes, and credentials in broker URLs."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import bcrypt
 
 SERVICES_USER = "services"
-
+# The python tool's own service: a user of the platform's account that may only serve that tool
+# and announce it (marlaas.stack.broker_auth.sandbox_permissions); it never holds the services' password.
+SANDBOX_USER = "sandbox"
 
 PLATFORM_ACCOUNT = "PLATFORM"
 
@@ -32,8 +36,20 @@ def bcrypt_hash(secret: str) -> str:
     return bcrypt.hashpw(raw, bcrypt.gensalt(rounds=BCRYPT_ROUNDS, prefix=b"2a")).decode()
 
 
+def sandbox_password(services_password: str) -> str:
+    """The ``sandbox`` user's password, derived from the services' (HMAC-SHA256, 48 hex digits).
+
+    Every path that renders ``auth.conf`` knows the services' password, so each renders the same
+    sandbox user without another secret to store; the derivation is one-way, so the sandbox's
+    password tells nothing of the services'. In compose the operator sets it
+    (``marlaas tenant sandbox-password`` prints it).
+    """
+    digest = hmac.new(services_password.encode(), b"marlaas sandbox", hashlib.sha256).hexdigest()
+    return digest[:48]
+
+
 def inbox_prefix(tenant: str) -> str:
-    """The reply-subject prefix a tenant's connection must use (nats-py ``inbox_prefix``)."""
+    """The reply-subject prefix a tenant's (or the sandbox's) connection must use (nats-py ``inbox_prefix``)."""
     return f"_INBOX_{tenant}"
 
 

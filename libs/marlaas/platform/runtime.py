@@ -14,6 +14,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from marlaas.platform.bus import Bus
 from marlaas.platform.config import Config, load_config, read_config_json
 from marlaas.platform.logs import setup_logging
@@ -28,7 +30,7 @@ class Runtime:
     name: str
     config: Config
     bus: Bus
-    store: ObjectStore
+    store: ObjectStore | None  # None for a service run without the platform's data (the sandbox)
     stop: asyncio.Event
 
     def ready(self) -> None:
@@ -43,13 +45,24 @@ def parse_config(name: str, argv: list[str] | None = None) -> Config:
     parser.add_argument("--config", help="a TOML config file, or the JSON written by `marlaas up`")
     args = parser.parse_args(argv)
     if args.config and args.config.endswith(".json"):
-        return read_config_json(Path(args.config).read_bytes())
+        config = read_config_json(Path(args.config).read_bytes())
+        # a JSON config without a broker URL takes it from the environment: how the launcher hands
+        # the sandbox its own credentials without writing them into a file
+        if not config.nats_url and os.environ.get("MARLAAS_NATS_URL"):
+            config = msgspec.structs.replace(config, nats_url=os.environ["MARLAAS_NATS_URL"])
+        return config
     return load_config(args.config)
 
 
-def run_service(name: str, argv: list[str] | None = None) -> None:
+def run_service(name: str, argv: list[str] | None = None, *, platform: bool = True,
+                inbox_prefix: str | None = None) -> None:
     """Entry point body: parse config, set up logging, import ``services.<name>.service`` (the
-    heavy imports: torch, vLLM) and run its ``run`` until SIGINT/SIGTERM."""
+    heavy imports: torch, vLLM) and run its ``run`` until SIGINT/SIGTERM.
+
+    ``platform=False`` runs a service that holds none of the platform's data (the sandbox): it
+    neither creates the streams and buckets nor opens the object store (its broker user may not
+    reach JetStream, and it has no store credentials); ``inbox_prefix`` is its user's reply prefix.
+    """
     config = parse_config(name, argv)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     log = setup_logging(name, config.log_format, config.log_level)
@@ -68,9 +81,12 @@ def run_service(name: str, argv: list[str] | None = None) -> None:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
-        bus = await Bus.connect(config.nats_url, name=name)
-        await bus.ensure_topology(duplicate_window_s=config.duplicate_window_s, replicas=config.nats_replicas)
-        runtime = Runtime(name, config, bus, open_store(config.resolved_store_url), stop)
+        bus = await Bus.connect(config.nats_url, name=name, inbox_prefix=inbox_prefix)
+        store = None
+        if platform:
+            await bus.ensure_topology(duplicate_window_s=config.duplicate_window_s, replicas=config.nats_replicas)
+            store = open_store(config.resolved_store_url)
+        runtime = Runtime(name, config, bus, store, stop)
         try:
             await main(runtime)
         finally:

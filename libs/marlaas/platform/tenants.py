@@ -37,7 +37,7 @@ DEFAULT_MAX_JOBS = 8
 DEFAULT_MAX_SAMPLES = 256
 # names the platform speaks for: the built-in namespace (tools, rewards), its services and their
 # broker user, and NATS' own account and inbox prefixes
-RESERVED_NAMES = ("builtin", "judge", nats_access.SERVICES_USER, "platform", "sys")
+RESERVED_NAMES = ("builtin", "judge", nats_access.SERVICES_USER, nats_access.SANDBOX_USER, "platform", "sys")
 RESERVED_PREFIXES = ("$", "_")
 
 

@@ -30,7 +30,7 @@ SERVICES_PASSWORD_ENV = "MARLAAS_NATS_PASSWORD"
 
 
 def add_tenant_commands(subparsers) -> argparse.ArgumentParser:
-    """Add ``tenant add | list | revoke | sync | init-auth`` to the ``marlaas`` parser's subparsers."""
+    """Add ``tenant add | list | revoke | sync | init-auth | sandbox-password`` to the ``marlaas`` parser's subparsers."""
     tenant = subparsers.add_parser("tenant", help="add, list or revoke tenants (API tokens, broker users)")
     actions = tenant.add_subparsers(dest="tenant_command", required=True)
 
@@ -54,6 +54,9 @@ def add_tenant_commands(subparsers) -> argparse.ArgumentParser:
     action("init-auth", cmd_init_auth,
            f"before the broker starts: create auth.conf (services user only) or set its services "
            f"password; the password comes from ${SERVICES_PASSWORD_ENV}")
+    action("sandbox-password", cmd_sandbox_password,
+           f"print the broker password of the `sandbox` user (the python tool's service), which "
+           f"derives from ${SERVICES_PASSWORD_ENV}: give it to the sandbox container alone")
     return tenant
 
 
@@ -202,8 +205,27 @@ def cmd_sync(args, config: Config) -> int:
     return 0 if outcome != "no-auth-file" else 2
 
 
+def services_password(config: Config) -> str:
+    """The services user's password: ``$MARLAAS_NATS_PASSWORD``, else the configured URL's."""
+    password = os.environ.get(SERVICES_PASSWORD_ENV) or nats_access.url_credentials(config.nats_url)[1]
+    if not password:
+        raise ValueError(f"set ${SERVICES_PASSWORD_ENV} (the services user's NATS password)")
+    return password
+
+
+def cmd_sandbox_password(args, config: Config) -> int:
+    """Print the ``sandbox`` user's password (``nats_access.sandbox_password`` of the services')."""
+    password = nats_access.sandbox_password(services_password(config))
+    if args.json:
+        _print_json({"user": nats_access.SANDBOX_USER, "password": password})
+    else:
+        print(password)
+    return 0
+
+
 def cmd_init_auth(args, config: Config) -> int:
-    """Before the broker starts: make sure ``auth.conf`` exists and knows the services' password.
+    """Before the broker starts: make sure ``auth.conf`` exists and knows the services' password
+    (and the sandbox user's, derived from it).
 
     A first start gets the services user alone (tenants follow with ``marlaas tenant sync``
     once the broker runs); an existing file keeps its tenants, and its services user takes
@@ -212,9 +234,7 @@ def cmd_init_auth(args, config: Config) -> int:
     auth_file = broker_files(config, args.auth_file).auth_file
     if auth_file is None:
         raise ValueError(f"init-auth needs --auth-file or ${AUTH_FILE_ENV}")
-    password = os.environ.get(SERVICES_PASSWORD_ENV) or nats_access.url_credentials(config.nats_url)[1]
-    if not password:
-        raise ValueError(f"set ${SERVICES_PASSWORD_ENV} (the services user's NATS password)")
+    password = services_password(config)
     if auth_file.exists():
         text = auth_file.read_text()
         updated = broker_auth.with_services_password(text, password)
@@ -223,7 +243,7 @@ def cmd_init_auth(args, config: Config) -> int:
             broker_auth.write_auth_conf(auth_file, updated)
     else:
         outcome = "created"
-        broker_auth.write_auth_conf(auth_file, broker_auth.render_auth(nats_access.bcrypt_hash(password), []))
+        broker_auth.write_auth_conf(auth_file, broker_auth.render_auth(password, []))
     if args.json:
         _print_json({"auth_file": str(auth_file), "outcome": outcome})
     else:

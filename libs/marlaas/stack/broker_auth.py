@@ -4,7 +4,13 @@ One NATS **account** per tenant, the broker's own multi-tenancy, and one for the
 
 - ``PLATFORM`` holds JetStream (every stream and KV bucket) and the ``services`` user, as which
   the manager, rollout, env, trainer and gateway connect, and so do the operator's tools
-  (``marlaas tenant``, ``status``, the test suite).
+  (``marlaas tenant``, ``status``, the test suite). It also holds the ``sandbox`` user, as
+  which the python tool's own service connects: it may only serve ``marlaas.tool.builtin.python``
+  (in its queue group), announce it to the registrar and hear its own inbox
+  (:func:`sandbox_permissions`), so code that escaped bubblewrap there reaches no stream, bucket
+  or other service. Its password is derived from the services' (:func:`marlaas.platform.nats_access.sandbox_password`),
+  so every render with the services' password (``marlaas tenant``, ``init-auth``, the launcher)
+  renders the same sandbox user.
 - each active tenant is an account of its own name with one user, also of its name, whose
   password is the tenant's API token (the file holds only its bcrypt hash). A subject in a
   tenant's account is a different subject from the same name in any other account: what a
@@ -47,14 +53,15 @@ from pathlib import Path
 import bcrypt
 import structlog
 
-from marlaas.platform import nats_access
 from marlaas.platform.bus import Bus
 from marlaas.platform.nats_access import (
     PLATFORM_ACCOUNT,
+    SANDBOX_USER,
     SERVICES_USER,
     bcrypt_hash,
     inbox_prefix,
     registry_subject,
+    sandbox_password,
 )
 from marlaas.platform.tenants import list_tenants, lock_tools_registry
 
@@ -71,6 +78,9 @@ PLATFORM_EXPORTS = (
 TENANT_LIMITS = {"max_connections": 64, "max_subscriptions": 4096, "max_payload": 1024 * 1024}
 # What a tenant exports to the platform (its own name in the subject).
 TENANT_EXPORTS = ("marlaas.tool.{tenant}.>", "marlaas.reward.{tenant}.>")
+# What the sandbox user serves: the built-in python tool, in the queue group serve_tools gives it.
+SANDBOX_TOOL_SUBJECT = "marlaas.tool.builtin.python"
+SANDBOX_TOOL_QUEUE = "tool-builtin"
 
 
 class AuthConfigError(RuntimeError):
@@ -99,6 +109,15 @@ def tenant_permissions(tenant: str) -> Permissions:
     return Permissions(publish=publish, subscribe=subscribe)
 
 
+def sandbox_permissions() -> Permissions:
+    """What the ``sandbox`` user may do in the platform's account: serve the python tool (queue
+    group only), announce it through the registrar, hear the replies on its own inbox."""
+    return Permissions(
+        publish=(registry_subject("builtin"),),
+        subscribe=(f"{SANDBOX_TOOL_SUBJECT} {SANDBOX_TOOL_QUEUE}", f"{inbox_prefix(SANDBOX_USER)}.>"),
+    )
+
+
 def _quoted(text: str) -> str:
     if any(c in text for c in '"\\\n'):
         raise ValueError(f"{text!r} cannot be written into auth.conf")
@@ -116,11 +135,23 @@ def _imported(kind: str, subject: str, position: int, tenant: str) -> str:
             f"subject: {_quoted('.'.join(tokens))}}}}}")
 
 
-def render_auth(services_bcrypt: str, tenants: Iterable[tuple[str, str]]) -> str:
-    """``auth.conf``: the platform's account and user, then one account per ``(tenant, token_bcrypt)``."""
+def _services_line(services_bcrypt: str) -> str:
+    return f"    {{user: {_quoted(SERVICES_USER)}, password: {_quoted(services_bcrypt)}}}"
+
+
+def _sandbox_line(sandbox_bcrypt: str) -> str:
+    perms = sandbox_permissions()
+    return (f"    {{user: {_quoted(SANDBOX_USER)}, password: {_quoted(sandbox_bcrypt)}, permissions: {{"
+            f"publish: {{allow: {_list(perms.publish)}}}, subscribe: {{allow: {_list(perms.subscribe)}}}, "
+            f"allow_responses: {'true' if perms.allow_responses else 'false'}}}}}")
+
+
+def render_auth(services_password: str, tenants: Iterable[tuple[str, str]]) -> str:
+    """``auth.conf``: the platform's account and its users (``services`` with ``services_password``,
+    ``sandbox`` with the password derived from it), then one account per ``(tenant, token_bcrypt)``."""
     tenants = sorted(tenants)
     for tenant, _ in tenants:
-        if tenant in (SERVICES_USER, PLATFORM_ACCOUNT) or tenant.upper() in ("$G", "$SYS"):
+        if tenant in (SERVICES_USER, SANDBOX_USER, PLATFORM_ACCOUNT) or tenant.upper() in ("$G", "$SYS"):
             raise ValueError(f"{tenant!r} is the platform's name, not a tenant name")
     exports = [f"{{{kind}: {_quoted(subject)}, account_token_position: {position}}}"
                for kind, subject, position in PLATFORM_EXPORTS]
@@ -132,7 +163,8 @@ def render_auth(services_bcrypt: str, tenants: Iterable[tuple[str, str]]) -> str
         f"  {_quoted(PLATFORM_ACCOUNT)}: {{",
         "    jetstream: enabled",
         "    users: [",
-        f"    {{user: {_quoted(SERVICES_USER)}, password: {_quoted(services_bcrypt)}}}",
+        _services_line(bcrypt_hash(services_password)),
+        _sandbox_line(bcrypt_hash(sandbox_password(services_password))),
         "    ]",
         "    exports: [",
         *(f"      {e}" for e in exports),
@@ -169,21 +201,32 @@ def render_auth(services_bcrypt: str, tenants: Iterable[tuple[str, str]]) -> str
 
 
 _SERVICES_LINE = re.compile(rf'^    \{{user: "{SERVICES_USER}", password: "([^"]+)"\}}$', re.M)
+_SANDBOX_LINE = re.compile(rf'^    \{{user: "{SANDBOX_USER}", password: "([^"]+)".*$', re.M)
 
 
 def with_services_password(text: str, password: str) -> str:
-    """A rendered ``auth.conf`` whose services user has ``password`` (tenants kept as they are).
+    """A rendered ``auth.conf`` whose services user has ``password`` and whose sandbox user has
+    the password derived from it (tenants kept as they are).
 
     The broker can start with its tenants' users before the ``tenants`` bucket is readable,
-    which needs the broker. Returns ``text`` itself when the password already matches.
+    which needs the broker. A file of an older version without the sandbox user gets it.
+    Returns ``text`` itself when both passwords already match.
     """
     found = _SERVICES_LINE.search(text)
     if found is None:
         raise AuthConfigError("not an auth.conf that marlaas rendered (no services user line)")
-    if bcrypt.checkpw(password.encode(), found[1].encode()):
-        return text
-    line = f"    {{user: {_quoted(SERVICES_USER)}, password: {_quoted(bcrypt_hash(password))}}}"
-    return f"{text[:found.start()]}{line}{text[found.end():]}"
+    if not bcrypt.checkpw(password.encode(), found[1].encode()):
+        text = f"{text[:found.start()]}{_services_line(bcrypt_hash(password))}{text[found.end():]}"
+    sandbox = _SANDBOX_LINE.search(text)
+    wanted = sandbox_password(password)
+    if sandbox is not None and bcrypt.checkpw(wanted.encode(), sandbox[1].encode()):
+        line = _sandbox_line(sandbox[1])  # the same hash, with the permissions this version renders
+        return text if line == sandbox[0] else f"{text[:sandbox.start()]}{line}{text[sandbox.end():]}"
+    line = _sandbox_line(bcrypt_hash(wanted))
+    if sandbox is not None:
+        return f"{text[:sandbox.start()]}{line}{text[sandbox.end():]}"
+    services = _SERVICES_LINE.search(text)
+    return f"{text[:services.end()]}\n{line}{text[services.end():]}"
 
 
 def check_auth_conf(path: Path, server_binary: str | None = None) -> None:
@@ -307,7 +350,7 @@ async def write_broker_auth(bus: Bus, auth_file: Path, services_password: str,
             log.warning("tenant has no broker password; rotate its token", tenant=record.name)
             continue
         users.append((record.name, record.token_bcrypt))
-    text = render_auth(nats_access.bcrypt_hash(services_password), users)
+    text = render_auth(services_password, users)
     write_auth_conf(auth_file, text)
     for pid_file, log_file in servers:
         reload_server(pid_file, log_file)

@@ -13,6 +13,11 @@ of tenant ``default``, made once, for the CLI and the SDK) and ``operator.token`
 every start unless the config names the operator's own: the bearer token of the gateway's
 ``/metrics`` and API schema, for Prometheus and the operator, never a tenant).
 
+The ``sandbox`` service (the python tool's runs) is started apart: with an environment scrubbed
+of everything but the interpreter's basics and ``MARLAAS_NATS_URL`` carrying the broker's
+``sandbox`` user (:func:`sandbox_environment`), and ``run/sandbox-config.json``, the config
+without the broker's credentials, the store's location or the operator's token.
+
 ``nats_cluster=3`` (``marlaas up --nats-cluster 3``) runs the broker as a three-node JetStream
 cluster on loopback (:class:`~marlaas.stack.embedded_nats.EmbeddedNatsCluster`, under
 ``<home>/nats/node-<i>``, keeping its own state apart from the single server's): ``nats.url``
@@ -47,7 +52,9 @@ from marlaas.stack.broker_auth import write_private
 from marlaas.stack.embedded_nats import EmbeddedNats, EmbeddedNatsCluster
 
 log = structlog.get_logger("marlaas.stack.launcher")
-SERVICES = ("manager", "gateway", "env", "trainer", "rollout")
+SERVICES = ("manager", "gateway", "env", "sandbox", "trainer", "rollout")
+# What the sandbox's environment keeps of the launcher's: the interpreter's basics, no secret.
+SANDBOX_ENV_KEPT = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
 DEFAULT_TENANT = "default"
 DEFAULT_TENANT_MAX_JOBS = 64
 CLUSTER_REPLICAS = 3  # copies of each stream and bucket on an embedded cluster (of 3 or 5 nodes)
@@ -71,6 +78,32 @@ def parse_replicas(text: str) -> dict[str, int]:
             raise StackError(f"--replicas {part!r}: the {name} is the job registry's one writer; run one")
         replicas[name] = int(count)
     return replicas
+
+
+def sandbox_environment(environ: dict[str, str], sandbox_url: str) -> dict[str, str]:
+    """The sandbox process's whole environment: :data:`SANDBOX_ENV_KEPT` of ``environ`` and its
+    own broker URL; never the services' URL, the store's keys or any other ``MARLAAS_*``."""
+    kept = {name: environ[name] for name in SANDBOX_ENV_KEPT if name in environ}
+    return {**kept, "PYTHONUNBUFFERED": "1", "MARLAAS_NATS_URL": sandbox_url}
+
+
+def sandbox_config(config: Config) -> Config:
+    """``config`` as the sandbox gets it: no broker URL (its own comes by environment), no store
+    location, no operator token."""
+    return msgspec.structs.replace(
+        config, nats_url="", store_url="",
+        gateway=msgspec.structs.replace(config.gateway, operator_token="", operator_token_file=""),
+    )
+
+
+def sandbox_url(services_url: str) -> str:
+    """The broker URL of the ``sandbox`` user, given the services' (its password derives from theirs)."""
+    user, password = nats_access.url_credentials(services_url)
+    if user != nats_access.SERVICES_USER or not password:
+        raise StackError(f"the sandbox's broker password derives from the {nats_access.SERVICES_USER!r} "
+                         "user's: nats_url must carry it (nats://services:PASSWORD@host:port)")
+    return nats_access.url_with_credentials(services_url, nats_access.SANDBOX_USER,
+                                            nats_access.sandbox_password(password))
 
 
 def service_of(process: str) -> str:
@@ -98,6 +131,8 @@ class Stack:
         if self.replicas.get("rollout", 1) > 1 and config.manager.schedule == "sync":
             raise StackError("the sync schedule's barrier lives in one rollout process: run one rollout "
                              "replica with manager.schedule = 'sync'")
+        if config.env.python_tool == "env":  # env serves python itself: no sandbox beside it
+            services = tuple(name for name in services if name != "sandbox")
         self.services = tuple(name if i == 1 else f"{name}-{i}" for name in services
                               for i in range(1, self.replicas.get(name, 1) + 1))
         self.child_env = child_env or {}
@@ -159,6 +194,8 @@ class Stack:
         )
         self.config_path = self.run_dir / "config.json"
         write_private(self.config_path, dump_config(self.resolved).decode())  # holds the password
+        self.sandbox_config_path = self.run_dir / "sandbox-config.json"
+        write_private(self.sandbox_config_path, dump_config(sandbox_config(self.resolved)).decode())
         write_private(self.run_dir / "nats.url", url)
         gateway = self.config.gateway
         if not (gateway.operator_token or gateway.operator_token_file):
@@ -211,7 +248,7 @@ class Stack:
         password = secrets.token_hex(24)
         write_private(self.run_dir / "services.password", password)
         auth_file = self.home / "nats" / broker_auth.AUTH_FILE
-        text = broker_auth.render_auth(nats_access.bcrypt_hash(password), [])
+        text = broker_auth.render_auth(password, [])
         if auth_file.exists():  # the last run's tenants can reconnect from the first moment
             with contextlib.suppress(broker_auth.AuthConfigError):  # not ours: start from scratch
                 text = broker_auth.with_services_password(auth_file.read_text(), password)
@@ -231,10 +268,12 @@ class Stack:
         return url
 
     def _spawn(self, name: str) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.child_env}
+        config_path, env = self.config_path, {**os.environ, "PYTHONUNBUFFERED": "1", **self.child_env}
+        if service_of(name) == "sandbox":  # nothing of ours: not even child_env (tests' settings)
+            config_path, env = self.sandbox_config_path, sandbox_environment(os.environ, sandbox_url(self.nats_url))
         with open_private_log(self.home / "logs" / f"{name}.log") as logfile:  # the child holds its own handle
             self.procs[name] = spawn(
-                [sys.executable, "-m", f"services.{service_of(name)}", "--config", str(self.config_path)],
+                [sys.executable, "-m", f"services.{service_of(name)}", "--config", str(config_path)],
                 stdout=logfile, stderr=subprocess.STDOUT, env=env,
             )
 

@@ -17,6 +17,13 @@ account, with no JetStream: it sends its announcement to ``marlaas.registry.<ten
 (:func:`request_announce`), which the platform imports from that account alone, and the
 registrar (:func:`serve_registrar`, run by env) checks it and writes the entry. A tenant can
 therefore announce only tools in its own namespace, and only tools the platform can reach.
+
+The ``sandbox`` service (the python tool's own process, a restricted user of the platform's
+account without JetStream) announces the same way on ``marlaas.registry.builtin.announce``: no
+tenant can import that subject (``builtin`` is a reserved name), and through it only the tools of
+:data:`REGISTRAR_BUILTINS` may be announced. The registrar answers only to an inbox (a reply
+subject starting with ``_INBOX`` or ``_R_``), so a platform user cannot make it publish its answer
+onto a JetStream subject such as ``$KV.jobs.<key>``.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ MAX_SPEC_BYTES = 64 * 1024  # one tool's announcement: name, description and JSO
 MAX_TOOLS_PER_TENANT = 256
 REACH_WAIT_S = 3.0  # how long a new tool may take to become reachable from the platform's account
 MAX_PENDING_ANNOUNCEMENTS = 8  # per tenant, being checked at once; more are refused at once
+REGISTRAR_BUILTINS = ("python",)  # built-ins announced through the registrar: the sandbox service's
+REPLY_PREFIXES = ("_INBOX", "_R_")  # a client's inbox, or a reply mapped across accounts by an import
 
 
 class ToolNameError(ValueError):
@@ -245,6 +254,9 @@ async def handle_announcement(bus: Bus, tenant: str, data: bytes) -> AnnounceRep
     if spec.namespace != tenant:
         return AnnounceReply(error=f"tenant {tenant!r} may announce only its own tools "
                                    f"({tenant}.<tool>), not {spec.qualified!r}")
+    if tenant == BUILTIN and spec.name not in REGISTRAR_BUILTINS:
+        return AnnounceReply(error=f"{spec.qualified} is not announced through the registrar "
+                                   f"(only {', '.join(REGISTRAR_BUILTINS)} is: env writes its own)")
     if await bus.kv_get(TOOLS_BUCKET, spec.qualified) is None:  # new: bounded, and reachable
         served = [k for k in await bus.kv_keys(TOOLS_BUCKET) if k.startswith(f"{tenant}.")]
         if len(served) >= MAX_TOOLS_PER_TENANT:
@@ -257,11 +269,20 @@ async def handle_announcement(bus: Bus, tenant: str, data: bytes) -> AnnounceRep
     return AnnounceReply(ttl_s=await registry_ttl_s(bus))
 
 
+def answers_to(reply: str) -> bool:
+    """Whether the registrar may publish to ``reply``: an inbox, never a subject that some
+    stream stores (a platform user's ``$KV.<bucket>.<key>`` would otherwise be written)."""
+    return reply.startswith(REPLY_PREFIXES)
+
+
 async def serve_registrar(bus: Bus):
-    """Answer tenants' announcements (``marlaas.registry.*.announce``) on the platform's ``bus``.
+    """Answer tenants' announcements (``marlaas.registry.*.announce``) on the platform's ``bus``,
+    and the sandbox service's (``marlaas.registry.builtin.announce``).
 
     The tenant is the subject's third token: the broker imports that subject into a tenant's
-    account only with the tenant's own name there, so it cannot be forged. Each announcement is
+    account only with the tenant's own name there, so it cannot be forged (``builtin`` is no
+    tenant's: only the platform's users can publish it). A message whose reply subject is not an
+    inbox (:func:`answers_to`) is dropped unread. Each announcement is
     checked in a task of its own (a new tool's reachability probe takes a moment); a tenant with
     :data:`MAX_PENDING_ANNOUNCEMENTS` being checked gets its next ones refused at once.
     """
@@ -277,18 +298,19 @@ async def serve_registrar(bus: Bus):
                                         f"({type(exc).__name__}); the next heartbeat retries")
         finally:
             pending[tenant] -= 1
-        if msg.reply:
-            with contextlib.suppress(Exception):
-                await msg.respond(msgspec.json.encode(reply))
+        with contextlib.suppress(Exception):
+            await msg.respond(msgspec.json.encode(reply))
 
     async def on_msg(msg) -> None:
         tenant = msg.subject.split(".")[2]
+        if not answers_to(msg.reply):
+            log.warning("announcement without an inbox to answer; dropped", tenant=tenant, reply=msg.reply[:64])
+            return
         if pending.get(tenant, 0) >= MAX_PENDING_ANNOUNCEMENTS:
-            if msg.reply:
-                with contextlib.suppress(Exception):
-                    await msg.respond(msgspec.json.encode(AnnounceReply(
-                        error=f"{MAX_PENDING_ANNOUNCEMENTS} announcements of yours are still being "
-                              "checked; announce each tool once and re-announce it as a heartbeat")))
+            with contextlib.suppress(Exception):
+                await msg.respond(msgspec.json.encode(AnnounceReply(
+                    error=f"{MAX_PENDING_ANNOUNCEMENTS} announcements of yours are still being "
+                          "checked; announce each tool once and re-announce it as a heartbeat")))
             return
         pending[tenant] = pending.get(tenant, 0) + 1
         task = asyncio.create_task(answer(msg, tenant))

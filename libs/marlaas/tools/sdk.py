@@ -276,8 +276,9 @@ async def serve_tools(bus: Bus, tools: Iterable[Tool], namespace: str, *,
                       delay: Delay | None = None, heartbeat_s: float | None = None,
                       tenant: bool = False) -> ServedTools:
     """Subscribe each tool on ``marlaas.tool.<namespace>.<name>`` (queue group ``tool-<namespace>``),
-    then announce them in the registry and keep heart-beating them (``tenant``: ``bus`` is the
-    tenant's own connection, which announces through the platform's registrar)."""
+    then announce them in the registry and keep heart-beating them (``tenant``: ``bus`` is a
+    connection without JetStream, a tenant's or the sandbox service's, which announces through
+    the platform's registrar)."""
     check_namespace(namespace)
     tools = list(tools)
     names = [t.name for t in tools]

@@ -1,16 +1,19 @@
-"""The env service's built-in tools (namespace ``builtin``): ``calculator``, ``search``, ``python``.
+"""The built-in tools (namespace ``builtin``): ``calculator``, ``search``, ``python``.
 
 Each is a small pure core (``calculator.py``, ``search.py``, ``python_sandbox.py``) wrapped
 as a :func:`marlaas.tools.tool`, so it is served by the same shell as a tenant's tools.
-:func:`serve_builtin_tools` subscribes them on a bus and keeps them announced. ``search``
+:func:`serve_builtin_tools` subscribes env's on a bus and keeps them announced. ``search``
 reads the configured corpus, or the job's own when its call's context names one
-(``{"corpus": path}``, set by the job's task).
+(``{"corpus": path}``, set by the job's task). ``python`` is served by the ``sandbox`` service
+(``services/sandbox``, through :func:`checked_python_tool`) unless ``env.python_tool = "env"``.
+``search`` (and its BM25 library) is imported only when used, so the sandbox starts light.
 """
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -22,7 +25,9 @@ from services.env.tools.calculator import CalculatorError, calculate, format_val
 from services.env.tools.latency import InjectedLatency
 from services.env.tools.python_sandbox import (Isolation, SandboxError, SandboxLimits, SandboxUnavailable,
                                                check_isolation, run_python)
-from services.env.tools.search import MAX_K, CorpusError, CorpusIndexes, SearchIndex, render_results
+
+if TYPE_CHECKING:
+    from services.env.tools.search import CorpusIndexes, SearchIndex
 
 log = structlog.get_logger("env.tools")
 
@@ -49,6 +54,8 @@ def search_tool(index: SearchIndex, default_k: int, job_corpora: CorpusIndexes |
     context names one: a path (the platform's own jobs), or a tenant's uploaded file
     (``{"corpus": "file-...", "tenant": ...}``, fetched from the store through ``files`` into
     this env's own cache, so env need not share a disk with rollout)."""
+    from services.env.tools.search import MAX_K, CorpusError, CorpusIndexes, render_results
+
     job_corpora = CorpusIndexes(cache_dir=None) if job_corpora is None else job_corpora
 
     @tool(name="search", context=True)
@@ -120,13 +127,16 @@ def search_cache_dir(config: Config) -> Path:
 
 
 async def builtin_tools(config: Config, files: DataFiles | None = None) -> list[Tool]:
-    """The built-in tools configured by ``config.env``; the search index is built (or loaded)
-    in a thread, so a large corpus does not stall the event loop. ``files``: where jobs'
-    uploaded corpora are read from."""
+    """Env's built-in tools as configured by ``config.env`` (``python`` only with
+    ``env.python_tool = "env"``; else the sandbox service serves it); the search index is built
+    (or loaded) in a thread, so a large corpus does not stall the event loop. ``files``: where
+    jobs' uploaded corpora are read from."""
+    from services.env.tools.search import CorpusIndexes, SearchIndex
+
     corpus = Path(config.env.search_corpus).expanduser() if config.env.search_corpus else DEFAULT_CORPUS
     index = await asyncio.to_thread(SearchIndex.open, corpus, search_cache_dir(config))
     job_corpora = CorpusIndexes(search_cache_dir(config), config.env.search_cached_indexes)
-    python = await checked_python_tool(config.env)
+    python = await checked_python_tool(config.env) if config.env.python_tool == "env" else None
     return [calculator_tool(), search_tool(index, config.env.search_top_k, job_corpora, files)] + (
         [python] if python is not None else [])
 
