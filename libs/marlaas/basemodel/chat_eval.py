@@ -8,7 +8,9 @@ the ids as they are; a second turn gives the answer. The tool is simulated: the 
 with the right argument returns the episode's result; a shown tool with another argument
 returns an error; an unknown name returns an error.
 
-Metrics per episode set (shares of episodes): ``call`` a well-formed call to a shown tool,
+Metrics per episode set (shares of episodes): ``wellformed`` a call that parses (any name),
+``right_argument`` a call whose arguments are exactly the episode's (any name), ``call`` a
+well-formed call to a shown tool,
 ``right_tool`` the tool the question needs, ``success`` that tool with the right argument
 (the call the issue counts: "right tool and argument"), ``answer`` the final answer holds
 the tool's result.
@@ -58,8 +60,8 @@ def generate(model, tok, prompts: list[list[int]], max_new_tokens: int, sample: 
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
         kwargs = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {"do_sample": False}
-        gen = model.generate(input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new_tokens,
-                             eos_token_id=stops, pad_token_id=pad, **kwargs)
+        gen = model.generate(input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device),
+                             max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad, **kwargs)
         for row in gen[:, width:].tolist():
             cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
             out.append(row[:cut])
@@ -79,7 +81,7 @@ def run_tool_episodes(model, tok, episodes: list[Episode], sample: bool, seed: i
     torch.manual_seed(seed)
     prompts = [prompt_ids(tok, e) for e in episodes]
     turns = generate(model, tok, prompts, 48, sample)
-    counts = dict.fromkeys(("call", "right_tool", "success", "answer"), 0)
+    counts = dict.fromkeys(("wellformed", "right_argument", "call", "right_tool", "success", "answer"), 0)
     second, where, texts = [], [], [""] * len(episodes)
     for i, (episode, ids) in enumerate(zip(episodes, turns)):
         text = tok.decode(ids, skip_special_tokens=True)
@@ -88,6 +90,8 @@ def run_tool_episodes(model, tok, episodes: list[Episode], sample: bool, seed: i
         if not isinstance(call, ParsedCall):
             texts[i] = text
             continue
+        counts["wellformed"] += 1
+        counts["right_argument"] += json.loads(call.arguments) == episode.arguments
         counts["call"] += call.name in shown
         counts["right_tool"] += call.name == episode.tool
         result = simulate_tool(episode, call, shown)

@@ -190,7 +190,8 @@ def make_tool(words: Words) -> MadeUpTool:
     keyword = words.keyword()
     if rng.random() < 0.3:  # a made-up entity: the argument is a thing only this tool knows
         thing = words.madeup((1, 2))
-        param, entity, kind = f"{thing}_id" if rng.random() < 0.5 else thing, thing, rng.choice(("number", "word", "code"))
+        param = f"{thing}_id" if rng.random() < 0.5 else thing
+        entity, kind = thing, rng.choice(("number", "word", "code"))
     else:
         param, entity, kind = rng.choice(ENTITIES)
     key = keyword.replace(" ", "_")

@@ -61,6 +61,7 @@ def transformers_greedy(model_dir: Path, prompts: list[list[int]], adapter: Path
 def vllm_greedy(model_dir: Path, prompts: list[list[int]], adapter: Path) -> tuple[list[list[int]], list[list[int]]]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # with OMP_NUM_THREADS: the threads asked for
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
