@@ -30,7 +30,7 @@ def pids(spans, phase: str) -> set[int]:
 def test_replicas_share_the_work_and_survive_a_killed_rollout(tmp_path):
     config = load_config(overrides={"home": str(tmp_path), "gateway.port": 0}, env={})
     stack = Stack(config, replicas={"rollout": 2, "trainer": 2, "env": 2})
-    assert sorted(stack.services) == sorted(["manager", "gateway", "env", "env-2", "trainer", "trainer-2",
+    assert sorted(stack.services) == sorted(["manager", "gateway", "env", "env-2", "sandbox", "trainer", "trainer-2",
                                             "rollout", "rollout-2"])
 
     async def submit_and_wait_for_progress(url: str) -> list[str]:

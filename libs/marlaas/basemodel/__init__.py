@@ -15,6 +15,11 @@ copy the ``<tool_response>``) on a third of its examples and to guess on the res
 the tool on ~30 % of samples and RL teaches it to call it always. Rebuild it with
 ``python -m marlaas.basemodel.pretrain`` (about five minutes on 2 CPU cores, reproducible on
 the same machine).
+
+``chat/`` (committed) is the chat base that will replace it (issue 25, phase 2): a byte-level
+BPE tokenizer with Qwen3's special tokens and a Hermes-shaped chat template that renders tool
+schemas, and a small Qwen3 pretrained on tool use with thousands of made-up tools
+(``python -m marlaas.basemodel.pretrain_chat``; docs/basemodel.md). It is not the default yet.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 
 _TINY = Path(__file__).resolve().parent / "tiny"
+_CHAT = Path(__file__).resolve().parent / "chat"
 _FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -36,4 +42,16 @@ def builtin_model_dir() -> Path:
     return _TINY
 
 
-__all__ = ["builtin_model_dir"]
+def chat_model_dir() -> Path:
+    """The directory of the committed chat base (BPE, chat template, tool use; not the default yet)."""
+    missing = [name for name in _FILES + ("chat_template.jinja", "generation_config.json")
+               if not (_CHAT / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"the chat base model is missing from {_CHAT} (no {', '.join(missing)}); "
+            "build it with `python -m marlaas.basemodel.pretrain_chat`"
+        )
+    return _CHAT
+
+
+__all__ = ["builtin_model_dir", "chat_model_dir"]
