@@ -79,11 +79,11 @@ def full_step(trainer, job: str, batch, settings) -> None:
     hot = trainer.hot[job]
     trainer.model.set_adapter(hot.slot)
     trainer.model.train()
-    tokens_B_T, mask_B_T, sample_lp_B_T, attn_B_T = trainer._pack(batch.samples)
+    tokens_B_T, mask_B_T, sample_lp_B_T = trainer._pack(batch.samples)  # right-padded: causal, no mask
     rewards_B = torch.tensor([s.reward for s in batch.samples])
     groups_B = torch.tensor([s.group for s in batch.samples])
     advantages_B = group_advantages(rewards_B, groups_B).to(trainer.device)
-    logits = trainer.model(input_ids=tokens_B_T, attention_mask=attn_B_T).logits
+    logits = trainer.model(input_ids=tokens_B_T, use_cache=False).logits
     logprobs_B_T = token_logprobs(logits, tokens_B_T, settings.temperature)
     out = grpo_loss(logprobs_B_T, sample_lp_B_T, mask_B_T, advantages_B, settings.clip_eps)
     hot.optimizer.zero_grad(set_to_none=True)

@@ -144,6 +144,7 @@ def cmd_submit(args, config) -> int:
 
 def status_table(views):
     """A rich table of jobs (``JobInfo``s)."""
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table("id", "task", "state", "version", "reward first", "reward last", "ttfs_s", "tpts_s")
@@ -151,8 +152,10 @@ def status_table(views):
         state = v.state + (f" ({v.reason})" if v.reason else "")
         if v.queue_position is not None:
             state += f" #{v.queue_position}"
-        table.add_row(
-            v.id, v.task, state, f"{v.version}/{v.target_steps}",
+        if v.warnings:  # a tool or reward that stopped answering: named here, the detail in --json
+            state += " [not answering: " + ", ".join(sorted(v.warnings)) + "]"
+        table.add_row(  # a reason or warning is text, never rich markup ("[x]" would vanish)
+            escape(v.id), escape(v.task), escape(state), f"{v.version}/{v.target_steps}",
             f"{v.rewards[0]:.3f}" if v.rewards else "-", f"{v.rewards[-1]:.3f}" if v.rewards else "-",
             f"{v.ttfs_s:.1f}" if v.ttfs_s is not None else "-",
             f"{v.tpts_s:.2f}" if v.tpts_s is not None else "-",

@@ -193,7 +193,7 @@ class EmbeddedNats:
 
         if self.proc is None or self.proc.poll() is not None:
             raise RuntimeError("nats-server is not running")
-        for _ in range(RELOADS):  # see natsauth.RELOADS
+        for _ in range(RELOADS):  # see broker_auth.RELOADS
             offset = self.log_file.stat().st_size
             self.proc.send_signal(signal.SIGHUP)
             wait_for_reload(self.log_file, offset, timeout_s)
