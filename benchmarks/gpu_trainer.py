@@ -55,12 +55,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from train_memory import PeakRss  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 
 @dataclass(frozen=True)
@@ -142,32 +142,6 @@ def on_policy_batch(trainer, job: str, raw: list[dict], temperature: float):
                 samples.append(Sample(group=s.group, prompt_ids=s.prompt_ids, completion_ids=s.completion_ids,
                                       logprobs=lp, loss_mask=s.loss_mask, reward=s.reward))
     return TrajectoryBatch(samples=samples)
-
-
-class PeakRss:
-    """This process's RSS sampled every 5 ms in a thread; ``peak`` is the largest seen."""
-
-    def __init__(self) -> None:
-        import psutil
-
-        self._process = psutil.Process()
-        self.start = self.peak = self._process.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._process.memory_info().rss)
-            time.sleep(0.005)
-
-    def __enter__(self) -> PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._process.memory_info().rss)
 
 
 def sync(device: str) -> None:

@@ -9,11 +9,8 @@ each version announced exactly once, through a killed node and a killed POLICY l
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import io
-import json
 import time
 from collections import Counter
 
@@ -21,7 +18,6 @@ import nats
 import pytest
 
 from marlaas.platform import nats_access
-from marlaas.stack.admin import add_tenant_commands
 from marlaas.platform.bus import BUCKETS, STREAMS, Bus, Delivery, StaleRevision
 from marlaas.platform.nats_client import FINISHED, Client
 from marlaas.platform.commits import read_job
@@ -30,6 +26,7 @@ from marlaas.stack.embedded_nats import EmbeddedNatsCluster
 from marlaas.platform.events import POLICY
 from marlaas.cli.commands import build_parser
 from marlaas.stack.launcher import Stack, StackError
+from tenant_admin import tenant_cli_ok
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -176,16 +173,6 @@ async def test_a_killed_leader_loses_no_acked_message_and_no_compare_and_set(clu
 # --- the embedded stack on a cluster ---------------------------------------------------------
 
 
-def tenant_cli(home, *argv: str) -> dict:
-    parser = argparse.ArgumentParser(prog="marlaas")
-    add_tenant_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["tenant", *argv, "--json"])
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert args.fn(args, load_config(env={"MARLAAS_HOME": str(home)})) == 0
-    return json.loads(out.getvalue().splitlines()[-1])
-
-
 async def connect_to(url: str, user: str, password: str) -> None:
     nc = await nats.connect(servers=[url], user=user, password=password, allow_reconnect=False,
                             connect_timeout=2, inbox_prefix=nats_access.inbox_prefix(user))
@@ -211,7 +198,7 @@ def test_the_stack_runs_on_a_cluster_with_three_copies_and_users_on_every_node(t
                 await bus.close()
 
         assert set(asyncio.run(copies()).values()) == {3}
-        token = tenant_cli(stack.home, "add", "acme")["token"]  # reloads each node's users
+        token = tenant_cli_ok(stack.home, "add", "acme")["token"]  # reloads each node's users
         for node in stack.nats.nodes:
             asyncio.run(connect_to(node.url, "acme", token))
 

@@ -8,10 +8,8 @@ just times out), so each connection here records its errors and the tests wait f
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import io
 import json
 import stat
 
@@ -22,7 +20,6 @@ from nats.js.api import ConsumerConfig
 
 from marlaas.stack import broker_auth
 from marlaas.platform import nats_access
-from marlaas.stack.admin import add_tenant_commands
 from marlaas.platform.bus import Bus
 from marlaas.platform.config import load_config
 from marlaas.platform.events import RewardItem, RewardRequest, ToolCall, ToolSpec, encode
@@ -30,21 +27,9 @@ from marlaas.stack.launcher import Stack
 from marlaas.platform.tenants import TenantError
 from marlaas.tools import registry, sdk
 from marlaas.tools.sdk import reward, serve_async, tool
+from tenant_admin import tenant_cli
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def tenant_cli(home, *argv: str) -> tuple[int, dict]:
-    """Run ``marlaas tenant ARGV --json`` against the stack under ``home``: (exit code, output)."""
-    parser = argparse.ArgumentParser(prog="marlaas")
-    add_tenant_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["tenant", *argv, "--json"])
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = args.fn(args, load_config(env={"MARLAAS_HOME": str(home)}))
-    # stdout is the process's: a tool served meanwhile may log there too
-    [printed] = [line for line in out.getvalue().splitlines() if line.startswith("{")]
-    return code, json.loads(printed)
 
 
 @pytest.fixture(scope="module")

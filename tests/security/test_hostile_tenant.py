@@ -11,10 +11,8 @@ HTTP requests (hypothesis).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import io
 import json
 import os
 import subprocess
@@ -31,13 +29,13 @@ from hypothesis import strategies as st
 
 from marlaas.stack import broker_auth
 from marlaas.platform import nats_access
-from marlaas.stack.admin import add_tenant_commands
 from marlaas.platform.bus import JOBS_BUCKET, Bus
 from marlaas.platform.config import load_config
 from marlaas.platform.events import JOB_RECORD, ToolSpec, encode
 from marlaas.stack.launcher import SERVICES, Stack
 from marlaas.sdk import BadRequest, Client
 from marlaas.platform.tenants import TenantError
+from tenant_admin import tenant_cli_ok
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(300)]
 
@@ -50,17 +48,6 @@ GIVE_UP_S = 8.0
 
 def run(coro):
     return asyncio.run(coro)
-
-
-def tenant_cli(home, *argv: str) -> dict:
-    """``marlaas tenant ARGV --json`` against the stack under ``home`` (the broker reloads)."""
-    parser = argparse.ArgumentParser(prog="marlaas")
-    add_tenant_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["tenant", *argv, "--json"])
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert args.fn(args, load_config(env={"MARLAAS_HOME": str(home)})) == 0
-    return json.loads([line for line in out.getvalue().splitlines() if line.startswith("{")][-1])
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +67,7 @@ def url(stack) -> str:
 
 @pytest.fixture(scope="module")
 def tokens(stack) -> dict[str, str]:
-    return {name: tenant_cli(stack.home, "add", name)["token"] for name in ("alice", "mallory")}
+    return {name: tenant_cli_ok(stack.home, "add", name)["token"] for name in ("alice", "mallory")}
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +238,7 @@ def test_the_broker_bounds_a_tenants_connections_and_messages(stack, tokens):
 def test_the_platforms_names_cannot_become_tenants(stack):
     for name in ("builtin", "judge", "services", "platform", "sys"):
         with pytest.raises(TenantError, match="is reserved"):
-            tenant_cli(stack.home, "add", name)
+            tenant_cli_ok(stack.home, "add", name)
 
 
 # --- the HTTP API -------------------------------------------------------------------------------
