@@ -227,6 +227,12 @@ async def test_a_tenant_cannot_write_the_tool_registry_directly(stack, tokens, s
         refused = await conn.nc.request("marlaas.registry.acme.announce", encode(shout.spec("other")),
                                         timeout=5)
         assert b"may announce only its own tools" in refused.data
+        deep: dict = {"type": "object"}
+        for _ in range(20):  # every job naming the tool renders its schema into the prompt
+            deep = {"type": "object", "properties": {"x": deep}}
+        refused = await conn.nc.request("marlaas.registry.acme.announce",
+                                        encode(ToolSpec(name="deep", namespace="acme", parameters=deep)), timeout=5)
+        assert b"nests more than 16 levels deep" in refused.data
         await conn.nc.publish("marlaas.registry.other.announce", b"{}")
         await conn.refused("publish", "marlaas.registry.other.announce")
         with pytest.raises(registry.AnnounceRefused, match="does not answer"):  # nobody serves it

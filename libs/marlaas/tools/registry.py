@@ -41,6 +41,7 @@ import structlog
 from marlaas.platform.bus import BUCKETS, TOOLS_BUCKET, Bus
 from marlaas.platform.events import Codec, EventDecodeError, ToolSpec, encode
 from marlaas.platform.nats_access import registry_subject
+from marlaas.tools.protocol import json_depth
 
 log = structlog.get_logger("marlaas.tools")
 
@@ -52,6 +53,7 @@ NAMESPACE_RE = re.compile(r"[a-z0-9][a-z0-9-]*")
 TOOL_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 TOOL_SPEC = Codec("tool spec", ToolSpec)
 MAX_SPEC_BYTES = 64 * 1024  # one tool's announcement: name, description and JSON schema
+MAX_SPEC_DEPTH = 16  # nested objects and arrays of an announcement (a JSON schema needs a few)
 MAX_TOOLS_PER_TENANT = 256
 REACH_WAIT_S = 3.0  # how long a new tool may take to become reachable from the platform's account
 MAX_PENDING_ANNOUNCEMENTS = 8  # per tenant, being checked at once; more are refused at once
@@ -245,6 +247,8 @@ async def handle_announcement(bus: Bus, tenant: str, data: bytes) -> AnnounceRep
     if len(data) > MAX_SPEC_BYTES:
         return AnnounceReply(error=f"announcement is {len(data)} bytes; at most {MAX_SPEC_BYTES} "
                                    "(shorten the tool's description or schema)")
+    if json_depth(data.decode(errors="replace"), MAX_SPEC_DEPTH) > MAX_SPEC_DEPTH:  # every job's prompt renders it
+        return AnnounceReply(error=f"the tool's schema nests more than {MAX_SPEC_DEPTH} levels deep")
     try:
         spec = TOOL_SPEC.decode(data)
         check_namespace(tenant)
