@@ -31,3 +31,31 @@ def test_a_reason_in_brackets_is_shown_as_written_not_read_as_markup():
     failed = JobInfo(id="acme.j3", name="j", tenant="acme", task="agent", state="failed", version=1, steps=1,
                      target_steps=2, reason="env: reward [acme.score] returned [red]nan")
     assert "(env: reward [acme.score] returned [red]nan)" in " ".join(rendered(failed).split())
+
+
+def test_piped_output_keeps_each_job_on_one_line():
+    from marlaas.cli.commands import _console
+
+    reason = "env: reward acme.score failed: " + "a long explanation " * 8
+    long = JobInfo(id="default.a-rather-long-job-name-0123456789", name="j", tenant="default", task="reverse",
+                   state="failed", reason=reason, version=2, steps=2, target_steps=40)
+    out = io.StringIO()
+    _console(file=out).print(status_table([long]))  # stdout under pytest is not a terminal
+    rows = [line for line in out.getvalue().splitlines() if "default.a-rather" in line]
+    assert len(rows) == 1 and long.id in rows[0] and reason.strip() in rows[0]
+
+
+def test_watch_without_a_terminal_prints_a_plain_line_per_change():
+    from marlaas.cli.commands import WatchProgress
+    from marlaas.sdk.http import Event
+
+    info = JobInfo(id="acme.j1", name="j", tenant="acme", task="reverse", state="running", reason="",
+                   version=0, steps=0, target_steps=3)
+    progress = WatchProgress(info)
+    assert progress.line() == "acme.j1 running version 0/3 reward -"
+    for version, at in ((1, 10.0), (2, 12.5)):
+        progress.apply(Event(id=str(version), event="policy.committed",
+                             data={"version": version, "committed_at": at, "metrics": {"reward/mean": 0.25 * version}}))
+    assert progress.line() == "acme.j1 running version 2/3 reward 0.500 time/step 2.50s"
+    progress.apply(Event(id="9", event="job.state", data={"state": "completed"}))
+    assert progress.line().startswith("acme.j1 completed version 2/3")

@@ -142,6 +142,17 @@ def cmd_submit(args, config) -> int:
     return 0
 
 
+PIPE_WIDTH = 400  # piped or redirected output: wide enough that no id or reason is cut or wrapped
+
+
+def _console(**kwargs):
+    """Rich's console for stdout; when stdout is not a terminal (a pipe, a file), one wide enough
+    that a row stays one line (rich would otherwise lay the table out in 80 columns)."""
+    from rich.console import Console
+
+    return Console(**kwargs) if sys.stdout.isatty() else Console(width=PIPE_WIDTH, **kwargs)
+
+
 def status_table(views):
     """A rich table of jobs (``JobInfo``s)."""
     from rich.markup import escape
@@ -169,14 +180,11 @@ def cmd_list(args, config) -> int:
     if args.json:
         _print_json({"jobs": jobs})
     else:
-        from rich.console import Console
-
-        Console().print(status_table(jobs))
+        _console().print(status_table(jobs))
     return 0
 
 
 def cmd_status(args, config) -> int:
-    from rich.console import Console
     from rich.live import Live
 
     with _client(config) as client:
@@ -186,7 +194,7 @@ def cmd_status(args, config) -> int:
         if args.json:
             _print_json({"jobs": once()})
         elif not args.watch:
-            Console().print(status_table(once()))
+            _console().print(status_table(once()))
         else:
             try:
                 with Live(status_table(once()), refresh_per_second=2) as live:
@@ -238,6 +246,13 @@ class WatchProgress:
                      f"ETA {eta:.0f}s" if eta is not None else "ETA -")
         return grid
 
+    def line(self) -> str:
+        """The same as one plain line, for output that is not a terminal."""
+        step = self.step_s()
+        reward = f"{self.reward:.3f}" if self.reward is not None else "-"
+        return (f"{self.info.id} {self.state} version {max(self.version, 0)}/{self.info.target_steps} "
+                f"reward {reward}" + (f" time/step {step:.2f}s" if step is not None else ""))
+
 
 def cmd_watch(args, config) -> int:
     """Follow one job's progress live until it finishes (Ctrl-C leaves it running and exits 0)."""
@@ -253,10 +268,19 @@ def cmd_watch(args, config) -> int:
                     sys.stdout.flush()
                 return 0
             progress = WatchProgress(info)
-            with Live(progress.render(), refresh_per_second=4, console=Console()) as live:
+            if not sys.stdout.isatty():  # a pipe or a file: a line per change, not a live panel
+                last = progress.line()
+                print(last, flush=True)
                 for event in client.events(args.job):
                     progress.apply(event)
-                    live.update(progress.render())
+                    if (now := progress.line()) != last:
+                        print(now, flush=True)
+                        last = now
+            else:
+                with Live(progress.render(), refresh_per_second=4, console=Console()) as live:
+                    for event in client.events(args.job):
+                        progress.apply(event)
+                        live.update(progress.render())
         except KeyboardInterrupt:
             return 0
         final = client.job(args.job)
