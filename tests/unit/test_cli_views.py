@@ -27,6 +27,17 @@ def test_the_table_names_a_silent_tool_or_reward_and_nothing_when_all_answer():
     assert "not answering" not in line_2
 
 
+def test_the_table_shows_an_agentic_jobs_tool_success_beside_its_reward():
+    base = dict(name="j", tenant="acme", state="running", reason="", version=2, steps=2, target_steps=10,
+                rewards=[0.1, 0.4])
+    agent = JobInfo(id="acme.agent", task="multiply", **base, metrics={"tool/success_rate": [0.25, 0.625]})
+    plain = JobInfo(id="acme.plain", task="reverse", **base)
+    text = rendered(agent, plain)
+    row = next(line for line in text.splitlines() if "acme.agent" in line)
+    assert "0.400" in row and "0.62" in row.replace("0.625", "0.62")
+    assert "tool ok last" in " ".join(text.split())
+
+
 def test_a_reason_in_brackets_is_shown_as_written_not_read_as_markup():
     failed = JobInfo(id="acme.j3", name="j", tenant="acme", task="agent", state="failed", version=1, steps=1,
                      target_steps=2, reason="env: reward [acme.score] returned [red]nan")
@@ -57,5 +68,9 @@ def test_watch_without_a_terminal_prints_a_plain_line_per_change():
         progress.apply(Event(id=str(version), event="policy.committed",
                              data={"version": version, "committed_at": at, "metrics": {"reward/mean": 0.25 * version}}))
     assert progress.line() == "acme.j1 running version 2/3 reward 0.500 time/step 2.50s"
+    progress.apply(Event(id="3", event="policy.committed",
+                         data={"version": 3, "committed_at": 15.0,
+                               "metrics": {"reward/mean": 1.0, "tool/success_rate": 0.75}}))
+    assert progress.line() == "acme.j1 running version 3/3 reward 1.000 tool ok 0.75 time/step 2.50s"
     progress.apply(Event(id="9", event="job.state", data={"state": "completed"}))
-    assert progress.line().startswith("acme.j1 completed version 2/3")
+    assert progress.line().startswith("acme.j1 completed version 3/3")

@@ -142,6 +142,7 @@ def cmd_submit(args, config) -> int:
     return 0
 
 
+TOOL_SUCCESS = "tool/success_rate"  # an agentic batch's share of episodes with a successful call
 PIPE_WIDTH = 400  # piped or redirected output: wide enough that no id or reason is cut or wrapped
 
 
@@ -158,7 +159,8 @@ def status_table(views):
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table("id", "task", "state", "version", "reward first", "reward last", "ttfs_s", "tpts_s")
+    table = Table("id", "task", "state", "version", "reward first", "reward last", "tool ok last", "ttfs_s",
+                  "tpts_s")
     for v in views:
         state = v.state + (f" ({v.reason})" if v.reason else "")
         if v.queue_position is not None:
@@ -168,6 +170,8 @@ def status_table(views):
         table.add_row(  # a reason or warning is text, never rich markup ("[x]" would vanish)
             escape(v.id), escape(v.task), escape(state), f"{v.version}/{v.target_steps}",
             f"{v.rewards[0]:.3f}" if v.rewards else "-", f"{v.rewards[-1]:.3f}" if v.rewards else "-",
+            # agentic jobs: the share of the last batch's episodes with a successful tool call
+            f"{shares[-1]:.2f}" if (shares := v.metrics.get(TOOL_SUCCESS)) else "-",
             f"{v.ttfs_s:.1f}" if v.ttfs_s is not None else "-",
             f"{v.tpts_s:.2f}" if v.tpts_s is not None else "-",
         )
@@ -212,6 +216,7 @@ class WatchProgress:
     def __init__(self, info) -> None:
         self.info = info
         self.state, self.version, self.reward = info.state, info.version, (info.rewards or [None])[-1]
+        self.tool_ok = (info.metrics.get(TOOL_SUCCESS) or [None])[-1]
         self.commits: dict[int, float] = {}  # version -> committed_at, versions >= 1
 
     def apply(self, event) -> None:
@@ -219,6 +224,7 @@ class WatchProgress:
         if event.event == "policy.committed":
             self.version = max(self.version, data["version"])
             self.reward = data.get("metrics", {}).get("reward/mean", self.reward)
+            self.tool_ok = data.get("metrics", {}).get(TOOL_SUCCESS, self.tool_ok)
             if data["version"] >= 1:
                 self.commits[data["version"]] = data.get("committed_at", 0.0)
         elif event.event == "job.state":
@@ -241,7 +247,9 @@ class WatchProgress:
         grid = Table.grid(padding=(0, 2))
         grid.add_row(self.info.id, self.state, ProgressBar(total=target, completed=done, width=30),
                      f"version {done}/{target}")
-        grid.add_row("last reward", f"{self.reward:.3f}" if self.reward is not None else "-",
+        tool_ok = f"tool ok {self.tool_ok:.2f}" if self.tool_ok is not None else ""
+        grid.add_row("last reward", (f"{self.reward:.3f}" if self.reward is not None else "-")
+                     + (f"  {tool_ok}" if tool_ok else ""),
                      f"time/step {step:.2f}s" if step is not None else "time/step -",
                      f"ETA {eta:.0f}s" if eta is not None else "ETA -")
         return grid
@@ -251,7 +259,8 @@ class WatchProgress:
         step = self.step_s()
         reward = f"{self.reward:.3f}" if self.reward is not None else "-"
         return (f"{self.info.id} {self.state} version {max(self.version, 0)}/{self.info.target_steps} "
-                f"reward {reward}" + (f" time/step {step:.2f}s" if step is not None else ""))
+                f"reward {reward}" + (f" tool ok {self.tool_ok:.2f}" if self.tool_ok is not None else "")
+                + (f" time/step {step:.2f}s" if step is not None else ""))
 
 
 def cmd_watch(args, config) -> int:
