@@ -335,7 +335,20 @@ class RewardFunction:
 
 
 def reward(name: str | Callable | None = None):
-    """Make a function a reward, served as ``<tenant>.<name>``: ``@reward("name")`` or ``@reward``."""
+    """Make a function a reward, served as ``<tenant>.<name>``: ``@reward("name")`` or ``@reward``.
+
+    The contract: ``fn(problem: dict, completion: str) -> float``, sync or async.
+
+    - ``problem``: the task's record for the prompt (for a dataset task, the dataset row with
+      its answer and any other fields).
+    - ``completion``: the model's final turn as text (its answer; never a tool's output or the
+      chat template's markup).
+    - Returns a number in [0, 1]. A bool, NaN, infinity or anything outside [0, 1], or an
+      exception, fails the job with that message (the server keeps serving other jobs).
+    - Each batch is one request; a reply slower than ``rollout.reward_timeout_s`` is asked
+      again, the job's status warns from the first unanswered request, and after
+      ``rollout.give_up_s`` with no answer the job fails, naming the reward.
+    """
     if callable(name):
         return RewardFunction(check_tool_name(name.__name__), name)
 
