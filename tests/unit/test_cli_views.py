@@ -34,8 +34,8 @@ def test_the_table_shows_an_agentic_jobs_tool_success_beside_its_reward():
     plain = JobInfo(id="acme.plain", task="reverse", **base)
     text = rendered(agent, plain)
     row = next(line for line in text.splitlines() if "acme.agent" in line)
-    assert "0.400" in row and "0.62" in row.replace("0.625", "0.62")
-    assert "tool ok last" in " ".join(text.split())
+    assert "0.400 (tool ok 0.62)" in " ".join(row.split())
+    assert "tool ok" not in next(line for line in text.splitlines() if "acme.plain" in line)
 
 
 def test_a_reason_in_brackets_is_shown_as_written_not_read_as_markup():

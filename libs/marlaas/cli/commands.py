@@ -159,8 +159,7 @@ def status_table(views):
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table("id", "task", "state", "version", "reward first", "reward last", "tool ok last", "ttfs_s",
-                  "tpts_s")
+    table = Table("id", "task", "state", "version", "reward first", "reward last", "ttfs_s", "tpts_s")
     for v in views:
         state = v.state + (f" ({v.reason})" if v.reason else "")
         if v.queue_position is not None:
@@ -169,9 +168,10 @@ def status_table(views):
             state += " [not answering: " + ", ".join(sorted(v.warnings)) + "]"
         table.add_row(  # a reason or warning is text, never rich markup ("[x]" would vanish)
             escape(v.id), escape(v.task), escape(state), f"{v.version}/{v.target_steps}",
-            f"{v.rewards[0]:.3f}" if v.rewards else "-", f"{v.rewards[-1]:.3f}" if v.rewards else "-",
-            # agentic jobs: the share of the last batch's episodes with a successful tool call
-            f"{shares[-1]:.2f}" if (shares := v.metrics.get(TOOL_SUCCESS)) else "-",
+            f"{v.rewards[0]:.3f}" if v.rewards else "-",
+            # agentic jobs: beside the reward, the last batch's share of episodes with a successful call
+            (f"{v.rewards[-1]:.3f}" if v.rewards else "-")
+            + (f" (tool ok {shares[-1]:.2f})" if (shares := v.metrics.get(TOOL_SUCCESS)) else ""),
             f"{v.ttfs_s:.1f}" if v.ttfs_s is not None else "-",
             f"{v.tpts_s:.2f}" if v.tpts_s is not None else "-",
         )
