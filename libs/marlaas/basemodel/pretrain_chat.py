@@ -199,7 +199,7 @@ def reevaluate(out: Path, eval_episodes: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"model directory (default {DEFAULT_OUT})")
-    parser.add_argument("--steps", type=int, default=1600, help="optimizer steps (default 1600)")
+    parser.add_argument("--steps", type=int, default=4000, help="optimizer steps (default 4000)")
     parser.add_argument("--eval-episodes", type=int, default=EVAL_EPISODES, help="episodes per evaluation set")
     parser.add_argument("--train-tools", type=int, default=None,
                         help="made-up training tools (default synthetic.TRAIN_TOOLS)")
