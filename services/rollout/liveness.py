@@ -44,7 +44,7 @@ class Liveness:
         """``what`` (e.g. ``"tool acme.weather"``) answered a request of ``job``: clear its warning."""
         if self.silent.pop((job, what), None) is not None:
             log.info("answering again", job=job, what=what)
-            await report_warning(self.bus, job, SERVICE, what, "")
+            await self._report(report_warning(self.bus, job, SERVICE, what, ""))
 
     async def unanswered(self, job: str, what: str) -> bool:
         """``what`` left a request of ``job`` unanswered; True once the job was failed for it."""
@@ -52,18 +52,29 @@ class Liveness:
         silence = self.silent.get((job, what))
         if silence is None:
             silence = self.silent[(job, what)] = Silence(since=now)
-            await report_warning(
+            await self._report(report_warning(
                 self.bus, job, SERVICE, what,
                 f"not answering since {time.strftime('%H:%M:%S')}; the job fails if it still does not "
-                f"answer after {self.give_up_s:g}s (is its server running?)")
+                f"answer after {self.give_up_s:g}s (is its server running?)"))
             log.warning("not answering", job=job, what=what)
         silence.requests += 1
         if not silence.given_up and now - silence.since >= self.give_up_s:
-            silence.given_up = True
-            await report_failure(self.bus, job, SERVICE,
-                                 f"{what} stopped answering: {silence.requests} requests unanswered over "
-                                 f"{now - silence.since:.0f}s (rollout.give_up_s = {self.give_up_s:g})")
+            # given up once the failure is published: a lost one is sent again at the next silence
+            silence.given_up = await self._report(report_failure(
+                self.bus, job, SERVICE, f"{what} stopped answering: {silence.requests} requests unanswered "
+                f"over {now - silence.since:.0f}s (rollout.give_up_s = {self.give_up_s:g})"))
         return silence.given_up
+
+    @staticmethod
+    async def _report(publishing) -> bool:
+        """Publish a report; whether it went out. A broker that fails it (an election) must not
+        fail the tool call or batch that noticed the silence."""
+        try:
+            await publishing
+            return True
+        except Exception as exc:
+            log.warning("could not report a silent tool or reward", error=repr(exc))
+            return False
 
     def forget(self, job: str) -> None:
         for key in [k for k in self.silent if k[0] == job]:

@@ -84,3 +84,15 @@ def test_the_record_shows_each_warning_until_cleared_and_never_after_the_job_fin
     assert len(flood.warnings) == MAX_WARNINGS and all(len(w) <= 500 for w in flood.warnings.values())
     done = JobRecord(spec=record.spec, state=JobState.FAILED)
     assert _with_warning(done, warn) is None
+
+
+async def test_a_report_the_broker_refuses_fails_no_call_and_the_give_up_is_sent_again(bus):
+    clock = Clock()
+    liveness = Liveness(bus, give_up_s=10, clock=clock)
+    sub, next_report = await reports(bus)
+    await liveness.unanswered("acme.j1", "tool acme.weather")
+    await next_report()
+    clock.now += 10
+    await bus.nc.close()  # every publish fails now, as during an election
+    assert await liveness.unanswered("acme.j1", "tool acme.weather") is False  # no exception, not given up
+    assert ("acme.j1", "tool acme.weather") in liveness.silent
