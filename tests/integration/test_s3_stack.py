@@ -1,4 +1,4 @@
-"""The stack in its deployed shape: adapters and optimizer state in an S3 store (moto's server, via minio)."""
+"""The stack in its deployed shape: adapters and optimizer state in an S3 store (a real SeaweedFS server, via minio)."""
 
 from __future__ import annotations
 

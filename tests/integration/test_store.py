@@ -1,4 +1,4 @@
-"""The object store on both backends: file:// and S3 (moto's server through the minio SDK)."""
+"""The object store on both backends: file:// and S3 (a real SeaweedFS server through the minio SDK)."""
 
 from __future__ import annotations
 
@@ -79,6 +79,13 @@ def test_s3_adapter_is_written_in_one_put(s3_server):
     store.put_bytes(ADAPTER_KEY, os.urandom(10 * 1024 * 1024))
     etag = store.client.stat_object("marlaas", f"one-put/{ADAPTER_KEY}").etag
     assert "-" not in etag  # a multipart upload's ETag ends in -<parts>
+
+
+def test_s3_refuses_a_wrong_secret_key(s3_server):
+    from minio.error import S3Error
+
+    with pytest.raises(S3Error, match="SignatureDoesNotMatch"):
+        S3Store("marlaas", endpoint=s3_server, secret_key="not-the-secret")
 
 
 def test_identical_put_is_a_noop(store):
