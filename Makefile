@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup system demo test test-fast test-unit bench clean
+.PHONY: setup system demo test test-fast test-unit deploy-test bench clean
 
 setup: system $(STAMP)
 
@@ -38,6 +38,14 @@ test-fast: setup
 
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit
+
+# docker-compose.yml run for real with podman: images built here, up, scale, kill, HA, down -v
+# (docs/deploy.md). Needs root; installs podman, runc and debootstrap where missing
+deploy-test: setup
+	@scripts/install-deploy.sh
+	$(BIN)/pip install -q -e '.[deploy]'
+	VENV=$(VENV) deploy/local/build-images.sh
+	$(BIN)/python scripts/deploy_test.py
 
 bench: setup
 	$(BIN)/marlaas bench single-turn-3 --out bench-results/single-turn-3

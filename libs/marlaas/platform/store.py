@@ -268,7 +268,13 @@ class S3Store(ObjectStore):
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         if not self.client.bucket_exists(bucket):
-            self.client.make_bucket(bucket)
+            from minio.error import S3Error
+
+            try:  # every service makes it if missing; two may race to
+                self.client.make_bucket(bucket)
+            except S3Error as exc:
+                if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                    raise
 
     def _name(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
