@@ -40,8 +40,9 @@ PROJECT = "marlaas-deploy-test"
 COMPOSE = [str(Path(sys.executable).parent / "podman-compose"), "-p", PROJECT,
            "-f", str(ROOT / "docker-compose.yml"), "-f", str(ROOT / "deploy/local/compose.local.yml")]
 GATEWAY = "http://127.0.0.1:8470"
+TOOL_LOG = "/tmp/marlaas-deploy-test-tool.log"
 NATS_URL = "nats://127.0.0.1:4222"
-STEPS = int(os.environ.get("DEPLOY_TEST_STEPS", "24"))  # versions 0..STEPS per job
+STEPS = int(os.environ.get("DEPLOY_TEST_STEPS", "60"))  # versions 0..STEPS per job
 SINGLE = {"task": "addition", "steps": STEPS}
 AGENTIC = {"task": "multiply", "steps": STEPS, "tools": ["calculator", "python", "acme.weather"],
            "grpo": {"prompts_per_step": 2, "group_size": 4}}
@@ -118,9 +119,9 @@ def add_tenant(name: str, admin: str, nodes: list[str], profiles: tuple[str, ...
 def serve_tool(token: str) -> subprocess.Popen:
     """examples/weather_tool.py on this host, as tenant acme, through the published NATS port."""
     env = {**os.environ, "MARLAAS_NATS_URL": NATS_URL, "MARLAAS_TOKEN": token}
+    log = open(TOOL_LOG, "w")  # a file, not a pipe: a full pipe would stall the tool
     return subprocess.Popen([sys.executable, str(ROOT / "examples/weather_tool.py")], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def submit(client: Client, job: dict, timeout_s: float = 120) -> str:
@@ -160,7 +161,17 @@ def check_sandbox(env: dict[str, str]) -> None:
     leaked = [v for v in secret_values if v in out or v in environ]
     if leaked or "S3" in environ or "MARLAAS_OPERATOR" in environ:
         raise Failed("the sandbox container holds a platform secret in its environment")
-    say(f"python tool: ran in {sandbox} as uid {uid}; its container's environment has no platform secret")
+    # env's container runs as the image's user (uid 1000) with the engine's default grants: there
+    # bubblewrap cannot isolate a run, so env would refuse to serve python, never run it bare
+    env_box = containers("env")[0]
+    probe = ("import asyncio; from marlaas.platform.config import EnvConfig; "
+             "from services.env.tools import checked_python_tool; "
+             "print('served' if asyncio.run(checked_python_tool(EnvConfig())) else 'refused')")
+    verdict = podman("exec", env_box, "python", "-c", probe).strip().splitlines()[-1]
+    if verdict != "refused":
+        raise Failed(f"env's container (uid 1000, no grants) would serve python: {verdict}")
+    say(f"python tool: ran in {sandbox} as uid {uid}; its container's environment has no platform "
+        f"secret; {env_box} (non-root) refuses to serve python itself")
 
 
 def versions_of(client: Client, job: str) -> list[int]:
@@ -214,7 +225,7 @@ def single_node(env: dict[str, str], summary: dict) -> None:
             trainers = containers("trainer")
             wait_for("both trainers train", lambda: all(trained_by(n) > 0 for n in trainers), 600)
             summary["scale_s"] = time.monotonic() - t
-            say(f"scaled to 2 trainers, 2 rollouts, 2 envs; trained: "
+            say("scaled to 2 trainers, 2 rollouts, 2 envs; trained: "
                 + ", ".join(f"{n} {trained_by(n)}" for n in trainers) + f"; {progress(client, jobs)}")
 
             victims = [containers("trainer")[0], containers("rollout")[0]]
@@ -231,7 +242,7 @@ def single_node(env: dict[str, str], summary: dict) -> None:
         tool.wait(timeout=10)
     # the tool process was a tenant's, across the deployment's boundary: it must have served
     if tool.returncode not in (0, -signal.SIGTERM):
-        raise Failed(f"the tool process failed: {tool.stderr.read()[-2000:] if tool.stderr else ''}")
+        raise Failed(f"the tool process failed: {Path(TOOL_LOG).read_text()[-2000:]}")
 
 
 def high_availability(summary: dict) -> None:
@@ -267,6 +278,11 @@ def leftovers() -> list[str]:
 
 def teardown() -> float:
     t = time.monotonic()
+    # podman-compose's down knows only the file's replicas: the ones `--scale` added go first
+    # (else it cannot remove what they depend on). Docker Compose removes them itself.
+    extra = [name for name in containers(running=False) if not name.endswith("_1")]
+    if extra:
+        podman("rm", "-f", "-t", "10", *extra, check=False)
     cmd = COMPOSE + ["--profile", "ha", "--profile", "admin", "down", "-v", "--remove-orphans"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     if leftovers():

@@ -21,6 +21,7 @@ import io
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -245,12 +246,16 @@ class FileStore(ObjectStore):
         return count
 
 
+CONNECT_WAIT_S = 120.0  # a service's first connect to S3: how long it waits for the server
+
+
 class S3Store(ObjectStore):
     """Objects in an S3 bucket through the minio SDK; S3 PUTs are atomic by nature."""
 
     def __init__(
         self, bucket: str, prefix: str = "", *, endpoint: str | None = None,
         access_key: str | None = None, secret_key: str | None = None, secure: bool | None = None,
+        connect_wait_s: float = CONNECT_WAIT_S,
     ) -> None:
         from minio import Minio
 
@@ -264,10 +269,11 @@ class S3Store(ObjectStore):
             secret_key=secret_key or os.environ.get("MARLAAS_S3_SECRET_KEY", "minioadmin"),
             secure=secure,
         )
+        self.endpoint = parsed.netloc
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
-        if not self.client.bucket_exists(bucket):
+        if not self._bucket_exists_once_reachable(connect_wait_s):
             from minio.error import S3Error
 
             try:  # every service makes it if missing; two may race to
@@ -275,6 +281,22 @@ class S3Store(ObjectStore):
             except S3Error as exc:
                 if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                     raise
+
+    def _bucket_exists_once_reachable(self, wait_s: float) -> bool:
+        """``bucket_exists``, waiting up to ``wait_s`` for the server to answer: in a deployment
+        the services may start before the object store does (found by `make deploy-test`, where a
+        replica that gave up at once was never restarted)."""
+        from urllib3.exceptions import HTTPError
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self.client.bucket_exists(self.bucket)
+            except (HTTPError, OSError) as exc:
+                if time.monotonic() >= deadline:
+                    raise ConnectionError(f"the object store at {self.endpoint} did not answer "
+                                          f"within {wait_s:.0f} s: {exc}") from exc
+                time.sleep(1.0)
 
     def _name(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
