@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -65,13 +66,41 @@ def up(tmp_path) -> tuple[subprocess.Popen, list[int]]:
     return proc, children
 
 
+def cli(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "marlaas.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.stack
-def test_sigterm_stops_the_whole_stack_like_ctrl_c(tmp_path):
-    proc, children = up(tmp_path)
-    proc.send_signal(signal.SIGTERM)  # what kill, systemd and docker stop send
-    assert proc.wait(timeout=120) == 0
-    assert gone(children, 30), "processes of the stack outlived `marlaas up`"
+def test_up_detached_serves_at_once_and_down_stops_every_process(tmp_path):
+    """`marlaas up -d` returns once the stack accepts jobs; `marlaas down` sends the launcher
+    SIGTERM (what kill, systemd and docker stop send; handled like Ctrl-C) and returns once
+    every process is gone."""
+    (tmp_path / "config.toml").write_text("[gateway]\nport = 0\n")  # any free port
+    env = {**os.environ, "MARLAAS_NATS_URL": "", "MARLAAS_URL": "", "MARLAAS_TOKEN": "",
+           "MARLAAS_HOME": str(tmp_path), "MARLAAS_CONFIG": str(tmp_path / "config.toml")}
+    up = cli(env, "up", "-d", "--json")
+    assert up.returncode == 0, up.stdout + up.stderr
+    info = json.loads(up.stdout)
+    launcher = json.loads((tmp_path / "run" / "stack.json").read_text())["pid"]
+    children = [c.pid for c in psutil.Process(launcher).children(recursive=True)]
+    try:
+        assert any("nats-server" in " ".join(psutil.Process(p).cmdline()) for p in children)
+        submit = cli(env, "submit", "--task", "addition", "--steps", "1", "--json")  # at once
+        assert submit.returncode == 0, submit.stdout + submit.stderr
+        again = cli(env, "up", "-d")
+        assert again.returncode == 2 and "already running" in again.stderr and "marlaas down" in again.stderr
+        no_home = {k: v for k, v in env.items() if k != "MARLAAS_HOME"}
+        where = json.loads(cli(no_home, "info", "--json", "--home", str(tmp_path)).stdout)  # options after too
+        assert where["running"] and where["gateway_url"] == info["gateway_url"]
+        assert (Path(where["base_model"]) / "config.json").is_file()
+    finally:
+        down = cli(env, "down", "--json", timeout=240)
+    assert down.returncode == 0 and json.loads(down.stdout) == {"stopped": launcher}, down.stdout + down.stderr
+    assert gone([launcher, *children], 30), "processes of the stack outlived `marlaas down`"
+    assert not (tmp_path / "run" / "stack.json").exists()
+    assert "no stack is running" in cli(env, "down").stdout  # nothing to stop is not an error
 
 
 @pytest.mark.timeout(400)

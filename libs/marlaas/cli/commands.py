@@ -1,4 +1,5 @@
-"""``marlaas``: up, tasks, submit, list, status, watch, cancel, delete, pull, report, bench (and ``tenant``).
+"""``marlaas``: up, down, info, tasks, submit, list, status, watch, cancel, delete, pull, report,
+bench (and ``tenant``).
 
 Job commands go through the HTTP API with the SDK (``marlaas.Client.from_env``: the
 gateway and the default tenant's token of the stack under the home dir, or
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -19,6 +21,9 @@ from pathlib import Path
 import msgspec
 
 from marlaas.platform.config import ConfigError, load_config
+
+
+DOWN_WAIT_S = 180.0  # `down`: how long the stack may take to drain and stop
 
 
 def _print_json(obj) -> None:
@@ -40,10 +45,117 @@ def _interrupt(*_) -> None:
     raise KeyboardInterrupt
 
 
+def _launcher_pid(config) -> int | None:
+    """The pid of the ``marlaas up`` running the stack under the home dir, if one runs."""
+    from marlaas.sdk import discovery
+
+    state = discovery.read_state(config.home_dir / "run")
+    return state.pid if state is not None and discovery._alive(state.pid) else None
+
+
+def _up_detached(args, config) -> int:
+    """``up -d``: the same launcher as a background process of its own (its output in
+    ``logs/up.log``); return once the stack accepts jobs, with what ``up`` prints."""
+    import subprocess
+
+    from marlaas.platform.store import make_private_dirs
+    from marlaas.sdk import discovery
+
+    if (pid := _launcher_pid(config)) is not None:
+        return _fail(f"a stack is already running under {config.home_dir} (pid {pid}): "
+                     "`marlaas down` stops it", args.json)
+    make_private_dirs(config.home_dir / "logs")
+    log = config.home_dir / "logs" / "up.log"
+    argv = [sys.executable, "-m", "marlaas.cli", "--home", str(config.home_dir)]
+    argv += ["--config", args.config] if args.config else []
+    argv += ["up", "--json", "--nats-cluster", str(args.nats_cluster)]
+    argv += ["--replicas", args.replicas] if args.replicas else []
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # a terminal's Ctrl-C or hangup: not ours
+    if not args.json:
+        print(f"starting the stack in the background (pid {launcher.pid}, output in {log})...",
+              file=sys.stderr)
+    try:  # python and torch imports come before the launcher says it is starting
+        discovery.wait_until_ready(config.home_dir / "run", appear_s=120)
+        deadline = time.monotonic() + 30
+        while not (info := next((line for line in log.read_text().splitlines() if line.startswith("{")), None)):
+            if launcher.poll() is not None or time.monotonic() > deadline:
+                raise discovery.StackNotReady("the launcher stopped before saying it was up")
+            time.sleep(0.2)
+    except discovery.StackNotReady as exc:
+        if launcher.poll() is None:
+            launcher.terminate()  # half-started: stop it rather than leave it
+            launcher.wait(timeout=120)
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        return _fail(f"{exc}; the launcher's last lines ({log}):\n{tail}", args.json)
+    if args.json:
+        print(info)
+    else:
+        up = json.loads(info)
+        print(f"marlaas is up (pid {launcher.pid}): gateway {up['gateway_url']}, NATS {up['nats_url']}; "
+              f"`marlaas down` stops it")
+    return 0
+
+
+def cmd_down(args, config) -> int:
+    """Stop the stack that ``marlaas up`` (``-d`` or not) runs under the home dir, and wait for it."""
+    pid = _launcher_pid(config)
+    if pid is None:
+        message = f"no stack is running under {config.home_dir}"
+        if args.json:
+            _print_json({"stopped": None, "detail": message})
+        else:
+            print(message)
+        return 0
+    os.kill(pid, signal.SIGTERM)  # the launcher drains and stops every service, as on Ctrl-C
+    deadline = time.monotonic() + DOWN_WAIT_S
+    while _launcher_pid(config) == pid or _pid_alive(pid):
+        if time.monotonic() > deadline:
+            return _fail(f"the stack (pid {pid}) did not stop within {DOWN_WAIT_S:.0f} s: see "
+                         f"{config.home_dir / 'logs'}; `kill -9 {pid}` ends it and its services", args.json)
+        time.sleep(0.2)
+    if args.json:
+        _print_json({"stopped": pid})
+    else:
+        print(f"stopped the stack (pid {pid}) under {config.home_dir}")
+    return 0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is not running
+    except FileNotFoundError:
+        return False
+
+
+def cmd_info(args, config) -> int:
+    """Where things are: the base model (for loading a pulled adapter with peft), the home dir,
+    and the running stack's addresses."""
+    from marlaas.platform import nats_access
+
+    run = config.home_dir / "run"
+    gateway, nats = run / "gateway.url", run / "nats.url"
+    info = {"base_model": str(config.base_model_dir), "home": str(config.home_dir),
+            "running": _launcher_pid(config) is not None,
+            "gateway_url": gateway.read_text().strip() if gateway.exists() else None,
+            "nats_url": nats_access.redact_url(nats.read_text().strip()) if nats.exists() else None}
+    if args.json:
+        _print_json(info)
+    else:
+        for key, value in info.items():
+            print(f"{key:12} {value}")
+    return 0
+
+
 def cmd_up(args, config) -> int:
     from rich.console import Console
 
     from marlaas.stack.launcher import Stack, parse_replicas
+
+    if args.detach:
+        return _up_detached(args, config)
 
     console = Console(stderr=True)
     stack = Stack(config, replicas=parse_replicas(args.replicas or ""), nats_cluster=args.nats_cluster)
@@ -393,15 +505,22 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, fn, help_: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--json", action="store_true", help="machine-readable output")
+        # also after the command (`marlaas status --config x.toml`); absent, the one before it holds
+        p.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        p.add_argument("--home", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         p.set_defaults(fn=fn)
         return p
 
     p = command("up", cmd_up, "start the embedded stack (nats-server + the services)")
+    p.add_argument("-d", "--detach", action="store_true",
+                   help="run it in the background; return once it accepts jobs (`marlaas down` stops it)")
     p.add_argument("--replicas", metavar="SERVICE=N,...",
                    help="run more than one process of a service, e.g. rollout=2,trainer=2,env=2")
     p.add_argument("--nats-cluster", type=int, default=1, choices=(1, 3, 5), metavar="N",
                    help="run the broker as a JetStream cluster of N nodes (3 or 5) on this machine, "
                         "every stream and bucket with 3 copies: any one node may fail (default: 1 server)")
+    command("down", cmd_down, "stop the stack `marlaas up` runs (in the background or not), and wait")
+    command("info", cmd_info, "where things are: the base model's directory, the home, the stack's addresses")
     command("tasks", cmd_tasks, "list the built-in tasks")
     p = command("submit", cmd_submit, "submit a job from a TOML file and/or flags; prints its id")
     p.add_argument("file", nargs="?", help="a TOML job file")
