@@ -17,7 +17,6 @@ def write_toml(tmp_path: Path, text: str) -> Path:
 
 def test_defaults():
     config = load_config(env={})
-    assert config == Config()
     assert (config.nats_url, config.store_url, config.base_model) == ("", "", "")
     assert config.manager.schedule == "async"
     assert config.trainer.device == "cpu"
@@ -124,3 +123,51 @@ def test_values_out_of_range_are_refused():
         load_config(overrides={"trainer.hot_adapters": 0}, env={})
     with pytest.raises(ConfigError, match="schedule"):
         load_config(overrides={"manager.schedule": "round-robin"}, env={})
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+# documented with a value that is not a literal default (a host:port, a variable, a rule)
+NOT_LITERAL = {"gateway.port", "gateway.allow_server_paths_under", "gateway.operator_token"}
+
+
+def documented_defaults() -> dict[str, str]:
+    """Every "`section.field` (value...)" in the README's configuration section: field -> the
+    value as written, up to its first comma, semicolon or space-separated remark."""
+    import re
+
+    text = README.read_text()
+    section = text[text.index("## Configuration"):text.index("## Deployed mode")]
+    found = {}
+    for field, value in re.findall(r"`([a-z_]+\.[a-z_.]+)` \(([^)]*)\)", section):
+        found[field] = re.split(r"[,;]| = | \(", value)[0].strip()
+    return found
+
+
+def parse_documented(value: str):
+    value = value.strip("`").strip('"')
+    units = {"MiB": 2**20, "GiB": 2**30}
+    number, _, unit = value.partition(" ")
+    try:
+        parsed = float(number)
+    except ValueError:
+        return value
+    return parsed * units[unit] if unit in units else parsed
+
+
+def test_every_documented_default_is_the_default():
+    """The README's configuration section, default by default: a changed default or a stale line
+    fails here (the section documents at least 20 with literal values)."""
+    config = Config()
+    checked = 0
+    for field, written in documented_defaults().items():
+        if field in NOT_LITERAL:
+            continue
+        section, name = field.split(".", 1)
+        actual = getattr(getattr(config, section), name)
+        documented = parse_documented(written)
+        if isinstance(documented, float):
+            assert float(actual) == documented, f"README says {field} defaults to {written}, it is {actual}"
+        else:
+            assert str(actual) == documented, f"README says {field} defaults to {written}, it is {actual!r}"
+        checked += 1
+    assert checked >= 20, documented_defaults()
