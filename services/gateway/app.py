@@ -37,7 +37,7 @@ from services.gateway.reads import RecordsSnapshot, all_records
 
 log = structlog.get_logger("gateway")
 MANAGER_TIMEOUT_S = 60.0  # a submission may wait for an admission pass (version 0 is written in it)
-API_HELP = "the API is /v1/jobs and the paths under it (the README's 'HTTP API'; the operator has /openapi.json)"
+API_HELP = "the API is /v1/jobs and the paths under it (docs/using.md, 'HTTP API'; the operator has /openapi.json)"
 OPERATOR_TOKEN_HELP = ("send 'Authorization: Bearer <operator token>': `marlaas up` writes it to "
                        "<home>/run/operator.token; a deployed gateway has it from MARLAAS_OPERATOR_TOKEN")
 

@@ -329,7 +329,7 @@ def test_the_same_spec_twice_trains_on_the_same_problems(stack):
 
 @pytest.mark.timeout(300)
 def test_a_user_process_follows_a_job_and_evaluates_each_version(stack):
-    """The README's example: on every committed version, pull the adapter and evaluate it with peft."""
+    """The documented example (docs/using.md): on every committed version, pull the adapter and evaluate it with peft."""
     (job,) = run(submit_only(stack, [{"name": "followed", "task": "addition", "steps": 3, "seed": 8}]))
     example = subprocess.run(
         [sys.executable, "examples/evaluate_each_version.py", job, "--problems", "5"],
@@ -388,7 +388,7 @@ async def status_of(stack, job: str):
 @pytest.mark.timeout(400)
 def test_a_pulled_adapter_gives_the_same_greedy_text_in_peft_and_vllm(stack, tmp_path):
     """The adapter a user takes out loads unchanged with peft and with vLLM's LoRARequest
-    (examples/load_adapter.py, the README's snippet) and both decode the same greedy text."""
+    (examples/load_adapter.py, the snippet in docs/using.md) and both decode the same greedy text."""
     (view,) = wait_all(stack, [{"name": "pulled", "task": "reverse", "steps": 3, "seed": 13}])
 
     async def pull():

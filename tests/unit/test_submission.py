@@ -44,12 +44,12 @@ def test_cli_submission_errors(tmp_path):
         submission_from_args(parser.parse_args(["submit", "--task", "addition", "--steps", "1", "--set", "x"]))
 
 
-def test_the_readme_job_file_is_a_valid_submission():
+def test_the_documented_job_file_is_a_valid_submission():
     import re
     import tomllib
     from pathlib import Path
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "docs" / "using.md").read_text()
     (block,) = re.findall(r"```toml\n(.*?)```", readme, re.S)
     job = parse_submission(tomllib.loads(block))
     assert job.task == "reverse" and job.grpo.scale_by_std and job.lora.rank == 8

@@ -1,7 +1,7 @@
 """Any model output and any tool output leaves the episode standing (issue 24, the episode half).
 
 The parser is driven directly with the text a model could write; each case has one
-defined outcome, documented in ``parse_call`` and the README's agentic-jobs section.
+defined outcome, documented in ``parse_call`` and docs/agentic.md.
 """
 
 from __future__ import annotations

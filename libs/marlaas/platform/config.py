@@ -29,7 +29,7 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = 0.8
     max_loras: int = 16  # adapters resident in one engine batch (as many as jobs sampled at once)
     # every adapter is padded to this rank in vLLM's LoRA kernels: on CPU, 16 instead of 8 makes a
-    # rank-8 job's generation ~30 % slower (benchmarks/engine_lora.py). Raise it for larger ranks.
+    # rank-8 job's generation ~46 % slower (benchmarks/engine_lora.py). Raise it for larger ranks.
     max_lora_rank: int = 8
     max_model_len: int = 512
     # sequences in one engine step (0 = vLLM's default, 128): enough for every concurrent job's
