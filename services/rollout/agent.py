@@ -100,12 +100,18 @@ class ConversationFormat:
         rendered = self.tokenizer.apply_chat_template(
             [{"role": m["role"], "content": "\x00"} for m in messages], tools=schemas or None,
             add_generation_prompt=True, tokenize=False)
-        markup = rendered.split("\x00")  # one placeholder per untrusted content, each tokenized apart
+        markup = rendered.split("\x00")  # one placeholder per untrusted content
         if len(markup) != len(contents) + 1:
             raise ValueError(f"the chat template wrote {len(markup) - 1} of {len(contents)} messages' contents")
         ids = self.markup_ids(markup[0])
         for content, after in zip(contents, markup[1:]):
-            ids += self.text_ids(content) + self.markup_ids(after)
+            # BPE merges across the end of a content ("city." + "\n\n# Tools" -> ".\n\n"): the markup
+            # up to its next special token is tokenized with the content, as the whole text would be
+            cut = min((at for token in self.tokenizer.all_special_tokens if (at := after.find(token)) >= 0),
+                      default=len(after))
+            ids += self.tokenizer(escape_result(content) + after[:cut], add_special_tokens=False,
+                                  split_special_tokens=True)["input_ids"]
+            ids += self.markup_ids(after[cut:])
         return ids
 
     def observation_ids(self, result: str, max_tokens: int) -> list[int]:
