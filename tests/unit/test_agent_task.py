@@ -4,13 +4,13 @@ import json
 from pathlib import Path
 
 import pytest
+
 from marlaas.platform.api import SubmitError, parse_submission
 from marlaas.platform.config import load_config
 from marlaas.platform.events import RewardItem, RewardRequest
 from marlaas.platform.store import FileStore
 from marlaas.tasks import TaskError, get_task
 from marlaas.tasks.matchers import answer_text, contains, exact, numeric
-
 from services.env.judge import question_and_references
 from services.env.rewards import score_matched
 from services.manager.service import Manager
