@@ -86,10 +86,9 @@ def row_problem(row: dict) -> str:
         return '"prompt" must be a non-empty string'
     if "messages" in row and (problem := messages_problem(row["messages"])):
         return problem
-    answers = row.get("answers") if "answers" in row else row.get("answer")
     if "answer" not in row and "answers" not in row:
         return 'needs "answer" (a string or number) or "answers" (a list of them): what the reward compares with'
-    listed = answers if "answers" in row else [answers]
+    listed = row["answers"] if "answers" in row else [row["answer"]]
     if not isinstance(listed, list) or not listed or not all(
             isinstance(a, (str, int, float)) and not isinstance(a, bool) and str(a).strip() for a in listed):
         return ('"answers" must be a non-empty list of strings or numbers' if "answers" in row
