@@ -12,7 +12,7 @@ server (vLLM, SGLang, a hosted API without a key) named by the env config:
     judge_structured_verdict = true           # vLLM only: the reply can only be "yes" or "no"
 
 For every item the judge reads the question (the problem's ``question``, else its
-``prompt``), the reference (``answer``, or every one of ``answers``) and the completion's
+``prompt``, else the last user message of its ``messages``), the reference (``answer``, or every one of ``answers``) and the completion's
 final answer (the text after its last tool response, ``<think>`` blocks dropped, at most
 the last :data:`MAX_ANSWER_CHARS` characters), and is asked for one word, yes or no, at
 temperature 0. The verdict is read from the reply's first word (after an optional
@@ -94,12 +94,20 @@ def judged_answer(completion: str) -> str:
 def question_and_references(item: RewardItem, position: int) -> tuple[str, list[str]]:
     """The question and accepted answers of one item; :class:`JudgeError` if its problem has none."""
     problem = item.problem
-    question = problem.get("question") or problem.get("prompt")
+    question = problem.get("question") or problem.get("prompt") or last_user_message(problem.get("messages"))
     references = problem.get("answers") or ([problem["answer"]] if "answer" in problem else [])
+    if isinstance(references, list):  # an agent dataset's answers may be numbers
+        references = [str(r) if isinstance(r, (int, float)) and not isinstance(r, bool) else r for r in references]
     if not isinstance(question, str) or not references or not all(isinstance(r, str) for r in references):
         raise JudgeError(f"item {position}: the judge needs a problem with a 'question' (or 'prompt') and an "
                          "'answer' string; this task's problems have neither, so pick another reward")
     return question, references
+
+
+def last_user_message(messages) -> str | None:
+    """The content of a conversation's last user message (an ``agent`` dataset row's question)."""
+    users = [m.get("content") for m in messages or [] if isinstance(m, dict) and m.get("role") == "user"]
+    return users[-1] if users else None
 
 
 class Judge:

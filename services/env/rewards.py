@@ -1,4 +1,5 @@
-"""Reward computation: score a batch of completions with their task's verifier (pure core)."""
+"""Reward computation: score a batch of completions with their task's verifier, or with a
+built-in answer matcher the job names (pure core)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 from marlaas.platform.events import RewardRequest, RewardResult
 from marlaas.platform.files import DataFiles
 from marlaas.tasks import Task, TaskError, get_task
+from marlaas.tasks.matchers import Matcher
 
 
 class RewardBook:
@@ -33,7 +35,22 @@ class RewardBook:
             rewards = [float(task.reward(item.problem, item.completion)) for item in request.items]
         except (TaskError, KeyError, TypeError, ValueError) as exc:
             return RewardResult(error=f"task {request.task!r} could not score job {request.job}: {exc}")
-        bad = [r for r in rewards if not (math.isfinite(r) and 0.0 <= r <= 1.0)]
-        if bad:
-            return RewardResult(error=f"task {request.task!r} returned rewards outside [0, 1]: {bad[:3]}")
-        return RewardResult(rewards=rewards)
+        return checked(rewards, f"task {request.task!r}")
+
+
+def score_matched(name: str, matcher: Matcher, request: RewardRequest) -> RewardResult:
+    """Rewards of every item by the built-in matcher ``name``, or an error naming the item and the fix."""
+    rewards = []
+    for position, item in enumerate(request.items):
+        try:
+            rewards.append(float(matcher(item.problem, item.completion)))
+        except (TaskError, TypeError, ValueError) as exc:
+            return RewardResult(error=f"reward {name!r} could not score item {position} of job {request.job}: {exc}")
+    return checked(rewards, f"reward {name!r}")
+
+
+def checked(rewards: list[float], what: str) -> RewardResult:
+    bad = [r for r in rewards if not (math.isfinite(r) and 0.0 <= r <= 1.0)]
+    if bad:
+        return RewardResult(error=f"{what} returned rewards outside [0, 1]: {bad[:3]}")
+    return RewardResult(rewards=rewards)

@@ -1,5 +1,6 @@
 """Env shell: answer reward requests on ``marlaas.reward.<task>`` in the queue group ``env``,
-the built-in ``judge`` reward on ``marlaas.reward.builtin.judge`` (see ``services/env/judge.py``),
+the built-in ``judge`` reward on ``marlaas.reward.builtin.judge`` (see ``services/env/judge.py``) and
+the answer matchers on ``marlaas.reward.builtin.<exact|contains|numeric>`` (``marlaas.tasks.matchers``),
 serve the built-in tools on ``marlaas.tool.builtin.<tool>`` (see ``services/env/tools``; ``python``
 only with ``env.python_tool = "env"``, else the ``sandbox`` service serves it), and keep the tool
 registry for tenants' tools and the sandbox's (``marlaas.registry.<tenant>.announce``: tenants live
@@ -19,10 +20,11 @@ from marlaas.platform.events import RewardResult, encode
 from marlaas.platform.files import DataFiles
 from marlaas.platform.runtime import Runtime
 from marlaas.platform.telemetry import span
-from marlaas.tools.registry import serve_registrar
+from marlaas.tasks.matchers import MATCHERS
+from marlaas.tools.registry import reward_subject as builtin_reward_subject, serve_registrar
 from marlaas.tools.sdk import decode_reward_request
 from services.env.judge import JUDGE_SUBJECT, Judge
-from services.env.rewards import RewardBook
+from services.env.rewards import RewardBook, score_matched
 from services.env.tools import serve_builtin_tools
 
 log = structlog.get_logger("env")
@@ -56,8 +58,22 @@ async def run(rt: Runtime) -> None:
             log.warning("judge reward failed", job=request.job, error=result.error)
         return encode(result)
 
+    def answer_matched(name: str):
+        async def answer(data: bytes) -> bytes:
+            request = decode_reward_request(data)
+            if isinstance(request, RewardResult):
+                return encode(request)
+            result = score_matched(name, MATCHERS[name], request)
+            if result.error:
+                log.warning("reward request refused", job=request.job, error=result.error)
+            return encode(result)
+
+        return answer
+
     await rt.bus.serve(reward_subject("*"), "env", answer)
     await rt.bus.serve(JUDGE_SUBJECT, "env", answer_judge)
+    for name in MATCHERS:
+        await rt.bus.serve(builtin_reward_subject(name), "env", answer_matched(name))
     tools = await serve_builtin_tools(rt.bus, rt.config, files)
     await serve_registrar(rt.bus)
     rt.ready()

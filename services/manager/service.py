@@ -33,7 +33,7 @@ from marlaas.platform.runtime import Runtime
 from marlaas.platform.telemetry import span_subject
 from marlaas.platform.store import ObjectStore
 from marlaas.tasks import TaskError
-from marlaas.tools.registry import ToolNameError, read_tool, reward_subject, split_qualified
+from marlaas.tools.registry import BUILTIN_REWARDS, ToolNameError, read_tool, reward_subject, split_qualified
 from services.manager.adaptive import AdaptiveAdmission
 from services.manager.admission import job_footprint, kv_bytes_per_token, to_admit
 from services.manager.gc import collect_job
@@ -51,9 +51,8 @@ MAX_SEED = 2**63 - 1
 MAX_STEPS = 100_000
 MAX_PROMPTS_PER_STEP, MAX_GROUP_SIZE = 4096, 1024
 MAX_LORA_ALPHA = 4096
-AGENT_METRICS = ("tool/", "episode/")
+AGENT_METRICS = ("tool/", "episode/")  # per-version figures kept in the job record, beside rewards
 GC_EVERY = 5  # versions between garbage collections of a job's stored objects
-BUILTIN_REWARDS = ("judge",)  # served by env: an LLM judge at env.judge_url (see services/env)  # per-version figures kept in the job record, beside rewards
 
 
 def linear_module_names(model_dir) -> set[str]:
@@ -154,7 +153,7 @@ class Manager:
         g = msgspec.structs.replace(g, max_new_tokens=g.max_new_tokens or task.max_new_tokens)
         tools = tuple(request.tools) if request.tools is not None else task.tools
         self.check_tool_names(request, task, tools)
-        prompt_tokens = max(len(self.tokenizer.encode(prompt, add_special_tokens=False))
+        prompt_tokens = max(len(self.tokenizer.encode(request.system + prompt, add_special_tokens=False))
                             for prompt in task.longest_prompts())
         if prompt_tokens + g.max_new_tokens > rc.max_model_len:
             raise api.SubmitError(
@@ -176,7 +175,8 @@ class Manager:
                        name=name, task=request.task, steps=request.steps, seed=request.seed,
                        dataset=request.dataset, corpus=request.corpus, tools=tools,
                        eval_every=request.eval_every, eval_problems=request.eval_problems,
-                       eval_dataset=request.eval_dataset, reward=request.reward, grpo=g, lora=lora,
+                       eval_dataset=request.eval_dataset, reward=request.reward, system=request.system,
+                       grpo=g, lora=lora,
                        submitted_at=time.time())
         return JobRecord(spec=spec, kv_cache_bytes=footprint)
 
@@ -186,6 +186,12 @@ class Manager:
         if tools and task.kind != "agentic":
             raise api.SubmitError(f"task {task.name!r} is single-turn: it cannot call tools; drop 'tools' "
                                   "or choose an agentic task (`marlaas tasks`)")
+        if task.needs_tools and not tools:
+            raise api.SubmitError(f"task {task.name!r} needs 'tools': the tools the model may call, at least one "
+                                  f"(built-in ones by name, your own as '{request.tenant}.<name>')")
+        if not task.has_reward and not request.reward:
+            raise api.SubmitError(f"task {task.name!r} needs 'reward': a built-in one "
+                                  f"({', '.join(BUILTIN_REWARDS)}) or your own '{request.tenant}.<name>'")
         for name in (*tools, *([request.reward] if "." in request.reward else [])):
             try:
                 namespace, _ = split_qualified(name)

@@ -45,37 +45,74 @@ Request = Callable[[str, bytes, float], Awaitable[bytes]]
 class ConversationFormat:
     """How a job's prompt and each tool observation become token ids for this base model.
 
-    Models with a chat template get the template's own rendering (the tools described with
-    ``apply_chat_template(tools=...)``, the observation wrapped in the template's tool turn);
-    models without one (the built-in base) take the bare tags they were pretrained on.
-    Text from outside the model is tokenized with special tokens split, so a tool result or
-    a user's prompt can never forge a special token.
+    ``prompt_format`` (``rollout.prompt_format``): ``"chat"`` renders with the model's chat
+    template (the tools described with ``apply_chat_template(tools=...)``, the observation
+    wrapped in the template's tool turn); ``"bare"`` writes plain text and the bare tags a
+    model without a template was pretrained on (the character-level base); ``"auto"`` picks
+    the template when the tokenizer has one.
+
+    Text from outside the model (a prompt, a conversation's messages, a tool's result) is
+    tokenized with special tokens split, so it can never forge a special token, and with the
+    tool tags escaped (:func:`escape_result`): the tags are *non-special* added tokens (as in
+    Qwen3), which ``split_special_tokens`` does not split, so a prompt holding
+    ``<tool_call>`` would otherwise put the tag's id in the model's context.
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, prompt_format: str = "auto") -> None:
         self.tokenizer = tokenizer
-        self.chat = bool(getattr(tokenizer, "chat_template", None))
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if prompt_format == "chat" and not has_template:
+            raise ValueError("rollout.prompt_format = 'chat' but the base model has no chat template: give it "
+                             "one (chat_template.jinja) or set rollout.prompt_format = 'bare'")
+        if prompt_format not in ("auto", "chat", "bare"):
+            raise ValueError(f"rollout.prompt_format must be 'auto', 'chat' or 'bare', not {prompt_format!r}")
+        self.chat = prompt_format == "chat" or (prompt_format == "auto" and has_template)
         if self.chat:
             self.obs_head, self.obs_tail = self._template_observation()
         else:
             self.obs_head, self.obs_tail = RESPONSE_OPEN, RESPONSE_CLOSE
 
     def text_ids(self, text: str) -> list[int]:
-        """Ids of untrusted text: special-token names in it stay plain characters."""
-        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        """Ids of untrusted text: special-token names and tool tags in it stay plain characters."""
+        return self.tokenizer(escape_result(text), add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     def markup_ids(self, text: str) -> list[int]:
         """Ids of the format's own markup (special tokens allowed)."""
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def prompt_ids(self, prompt: str, tools: list[ToolSpec]) -> list[int]:
+    def prompt_ids(self, prompt: str | None, tools: list[ToolSpec], *, system: str | None = None,
+                   messages: list[dict] | None = None) -> list[int]:
+        """The ids of an episode's prompt: one user turn (``prompt``) or a conversation
+        (``messages``, ``{role, content}`` each, ending with a user turn; a leading system message
+        takes the place of ``system``), the tools' schemas, then the assistant's turn opening.
+
+        Bare: the system prompt and each message's content, one per line, then ``prompt``."""
+        if messages is None:
+            messages = [{"role": "user", "content": prompt or ""}]
+        elif prompt is not None:
+            raise ValueError("give a prompt or messages, not both")
+        if system and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": system}, *messages]
+        contents = [m["content"] for m in messages]
         if not self.chat:
-            return self.text_ids(prompt)
+            return self.text_ids("\n".join(contents))
         schemas = [t.function_schema(tool_name(t, tools)) for t in tools]
         rendered = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": "\x00"}], tools=schemas or None, add_generation_prompt=True, tokenize=False)
-        head, tail = rendered.split("\x00")
-        return self.markup_ids(head) + self.text_ids(prompt) + self.markup_ids(tail)
+            [{"role": m["role"], "content": "\x00"} for m in messages], tools=schemas or None,
+            add_generation_prompt=True, tokenize=False)
+        markup = rendered.split("\x00")  # one placeholder per untrusted content
+        if len(markup) != len(contents) + 1:
+            raise ValueError(f"the chat template wrote {len(markup) - 1} of {len(contents)} messages' contents")
+        ids = self.markup_ids(markup[0])
+        for content, after in zip(contents, markup[1:]):
+            # BPE merges across the end of a content ("city." + "\n\n# Tools" -> ".\n\n"): the markup
+            # up to its next special token is tokenized with the content, as the whole text would be
+            cut = min((at for token in self.tokenizer.all_special_tokens if (at := after.find(token)) >= 0),
+                      default=len(after))
+            ids += self.tokenizer(escape_result(content) + after[:cut], add_special_tokens=False,
+                                  split_special_tokens=True)["input_ids"]
+            ids += self.markup_ids(after[cut:])
+        return ids
 
     def observation_ids(self, result: str, max_tokens: int) -> list[int]:
         """The observation after a call: the result, tags defused, cut to ``max_tokens`` with a marker.
@@ -83,7 +120,7 @@ class ConversationFormat:
         The text is cut by characters first (:func:`cut_result`), so the cost is bounded by
         ``max_tokens`` whatever the result's size."""
         result, cut = cut_result(result, max_tokens)
-        body = self.text_ids(escape_result(result))
+        body = self.text_ids(result)
         if cut or len(body) > max_tokens:
             marker = self.text_ids(TRUNCATED)
             body = body[: max(max_tokens - len(marker), 0)] + marker

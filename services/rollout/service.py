@@ -101,7 +101,7 @@ class Rollout:
         self.store = rt.store
         self.engine = engine
         self.config = rt.config
-        self.format = ConversationFormat(engine.tokenizer)
+        self.format = ConversationFormat(engine.tokenizer, rt.config.rollout.prompt_format)
         # per process: replicas on one machine never delete each other's adapter files
         self.cache_dir = rt.config.home_dir / "cache" / f"adapters-{os.getpid()}"
         self.files = DataFiles(rt.store, rt.config.home_dir / "cache" / "files")  # tenants' uploaded data
@@ -131,6 +131,13 @@ class Rollout:
     def engine_turn(self):
         """Held while a job's requests are in the engine; exclusive without multi-LoRA batching."""
         return self.engine_gate or contextlib.nullcontext()
+
+    def prompt_ids(self, spec: JobSpec, problem: dict) -> list[int]:
+        """A problem's prompt ids: its ``prompt`` or its conversation (``messages``), the job's
+        system prompt and its tools' schemas."""
+        messages = problem.get("messages")
+        return self.format.prompt_ids(None if messages else problem["prompt"], list(spec.tool_specs),
+                                      system=spec.system or None, messages=messages)
 
     def task_of(self, spec: JobSpec) -> Task:
         if spec.id not in self.tasks:
@@ -189,7 +196,7 @@ class Rollout:
                                                                     spec.eval_dataset or spec.dataset, spec.corpus)
             self.eval_tasks[spec.id] = task
             problems = task.problems(spec.eval_problems, EVAL_SEED)
-            prompt_ids = [self.format.prompt_ids(p["prompt"], list(spec.tool_specs)) for p in problems]
+            prompt_ids = [self.prompt_ids(spec, p) for p in problems]
             async with self._lock(spec.id), self.engine_turn():
                 lora = await self.load_adapter(spec.id, version, event)
                 if lora is None:
@@ -266,7 +273,7 @@ class Rollout:
         """The job's next GRPO batch with version ``event.version``; None if the job just finished."""
         task, grpo, version = self.task_of(spec), spec.grpo, event.version
         problems = task.problems(grpo.prompts_per_step, batch_seed(spec, version))
-        prompt_ids = [self.format.prompt_ids(p["prompt"], list(spec.tool_specs)) for p in problems]
+        prompt_ids = [self.prompt_ids(spec, p) for p in problems]
         # vLLM may (re)load an adapter from its directory whenever a request uses it, so the
         # job's cleanup (forget) waits until its generation is done
         async with self._lock(spec.id), self.engine_turn():
@@ -274,7 +281,7 @@ class Rollout:
             if lora is None:
                 return None
             async with span(self.bus, SERVICE, "generate", spec.id, version,
-                            problems_sha=digest([p["prompt"] for p in problems])) as attrs:
+                            problems_sha=digest([p.get("prompt", p.get("messages")) for p in problems])) as attrs:
                 episodes = await asyncio.gather(*(
                     self.episode(spec, task, ids, lora, version, i, j)
                     for i, ids in enumerate(prompt_ids) for j in range(grpo.group_size)))

@@ -51,7 +51,8 @@ class SubmitRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dataset: str | None = None
     corpus: str | None = None  # a JSONL of passages, for tasks that search the job's own documents
     tools: list[str] | None = None  # None = the task's own tools; [] = none
-    reward: str = ""  # "<tenant>.<name>": a reward function you serve instead of the task's
+    reward: str = ""  # "<tenant>.<name>" (a reward function you serve) or a built-in one, instead of the task's
+    system: str = ""  # the system prompt of every episode ("" = none)
     eval_every: int = 0  # score the committed version greedily on a held-out set every N versions
     eval_problems: int = 32
     eval_dataset: str | None = None  # held-out JSONL for dataset tasks

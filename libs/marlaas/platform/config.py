@@ -32,6 +32,11 @@ class RolloutConfig(Section):
     # rank-8 job's generation ~46 % slower (benchmarks/engine_lora.py). Raise it for larger ranks.
     max_lora_rank: int = 8
     max_model_len: int = 512
+    # how prompts and tool observations are written: "chat" with the base model's chat template
+    # (tools listed by it, each observation in its tool turn; an error for a model without one),
+    # "bare" as plain text and bare <tool_call> / <tool_response> tags (models without a template),
+    # "auto" the template when the model has one, else bare
+    prompt_format: Literal["auto", "chat", "bare"] = "auto"
     # sequences in one engine step (0 = vLLM's default, 128): enough for every concurrent job's
     # episodes, since on a small model a step's fixed cost is most of it (benchmarks/engine_lora.py)
     max_num_seqs: Annotated[int, msgspec.Meta(ge=0)] = 1024

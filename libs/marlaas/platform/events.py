@@ -84,7 +84,8 @@ class JobSpec(Wire):
     corpus: str | None = None  # a local JSONL of passages, for tasks whose search tool reads the job's own
     tools: tuple[str, ...] = ()  # tools the model may call, as named in the spec ("search", "acme.weather")
     tool_specs: tuple[ToolSpec, ...] = ()  # their registry entries when submitted: the prompt stays fixed
-    reward: str = ""  # "<tenant>.<name>": a user's reward function instead of the task's
+    reward: str = ""  # "<tenant>.<name>" (a user's reward function) or a built-in one, instead of the task's
+    system: str = ""  # the system prompt of every episode ("" = none)
     eval_every: int = 0  # score the committed version greedily every N versions (0 = never)
     eval_problems: int = 32  # size of the held-out set
     eval_dataset: str | None = None  # a held-out JSONL for dataset tasks (else a fixed held-out draw)

@@ -26,6 +26,8 @@ class Task(abc.ABC):
     max_new_tokens: ClassVar[int] = 16  # a generation budget that fits the answers (per turn)
     needs_dataset: ClassVar[bool] = False
     needs_corpus: ClassVar[bool] = False  # a JSONL of passages the task's search tool reads
+    needs_tools: ClassVar[bool] = False  # the job must name its tools (the task has none of its own)
+    has_reward: ClassVar[bool] = True  # False: the job must name a reward (``reward = ...``)
     # agentic tasks: the tools the model may call (names as in a job spec), and per-episode limits
     tools: ClassVar[tuple[str, ...]] = ()
     max_tool_calls: ClassVar[int] = 5  # as the paper's search agent

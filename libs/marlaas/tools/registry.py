@@ -46,7 +46,9 @@ from marlaas.tools.protocol import json_depth
 log = structlog.get_logger("marlaas.tools")
 
 BUILTIN = "builtin"
-BUILTIN_REWARDS = ("judge",)  # rewards the env service serves for any task, named bare in a job spec
+# rewards the env service serves for any task, named bare in a job spec: the LLM judge and the
+# answer matchers (marlaas.tasks.matchers)
+BUILTIN_REWARDS = ("judge", "exact", "contains", "numeric")
 SUBJECT_PREFIX = "marlaas.tool"
 HEARTBEAT_S = 10.0  # at most; a bucket with a short TTL gets beats every TTL / 3
 NAMESPACE_RE = re.compile(r"[a-z0-9][a-z0-9-]*")
