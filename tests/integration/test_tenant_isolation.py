@@ -188,6 +188,15 @@ async def kv_snapshot(bus: Bus) -> dict[str, dict[str, bytes]]:
     return found
 
 
+def beatless(bucket: str, value: bytes) -> object:
+    """A registry entry without ``announced_at``, which its servers' heartbeat rewrites."""
+    if bucket != "tools":
+        return value
+    entry = json.loads(value)
+    entry.pop("announced_at", None)
+    return entry
+
+
 async def test_reply_subjects_never_reach_the_platforms_kv(stack, tokens, services):
     """The attack that worked with one account: any allowed publish (or request) with its reply
     subject set to a platform KV key made JetStream (or a service) store its answer there."""
@@ -211,7 +220,7 @@ async def test_reply_subjects_never_reach_the_platforms_kv(stack, tokens, servic
     finally:
         await acme.close()
     for bucket, key in victim.items():
-        assert after[bucket][key] == before[bucket][key], (bucket, key)
+        assert beatless(bucket, after[bucket][key]) == beatless(bucket, before[bucket][key]), (bucket, key)
     assert {b: set(keys) - {"acme.shout"} for b, keys in after.items()} == {
         b: set(keys) for b, keys in before.items()}
 

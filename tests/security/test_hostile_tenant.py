@@ -109,13 +109,19 @@ async def as_tenant(stack, name: str, token: str, errors: list[str]):
                               connect_timeout=3)
 
 
-async def kv_state(bus: Bus) -> dict[str, dict[str, bytes]]:
-    found: dict[str, dict[str, bytes]] = {}
+async def kv_state(bus: Bus) -> dict[str, dict[str, object]]:
+    """The tenants and tools buckets; a tool entry without ``announced_at``, which its servers'
+    heartbeat rewrites every few seconds (a beat inside the attack's window is not a change)."""
+    found: dict[str, dict[str, object]] = {}
     for bucket in ("tenants", "tools"):
         found[bucket] = {}
         for key in await bus.kv_keys(bucket):
             if (entry := await bus.kv_get(bucket, key)) is not None:
-                found[bucket][key] = entry.value
+                value = entry.value
+                if bucket == "tools":
+                    value = json.loads(value)
+                    value.pop("announced_at", None)
+                found[bucket][key] = value
     return found
 
 
