@@ -451,6 +451,15 @@ def cmd_report(args, config) -> int:
 
     with _client(config) as client:
         info, versions = client.job(args.job), client.versions(args.job)
+    if args.tensorboard:
+        from marlaas.cli.report import write_tensorboard
+
+        run_dir = write_tensorboard(info, versions, Path(args.tensorboard))
+        if args.json:
+            _print_json({"id": args.job, "tensorboard": str(run_dir)})
+        else:
+            print(f"{run_dir} (tensorboard --logdir {args.tensorboard})")
+        return 0
     plots = write_report(info, versions, Path(args.out or f"report-{args.job}"))
     if args.json:
         _print_json({"id": args.job, "plots": [str(p) for p in plots]})
@@ -552,6 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("report", cmd_report, "plot a job's reward, eval score and time per step (PNG)")
     p.add_argument("job")
     p.add_argument("--out", help="directory for the plots (default: report-JOB)")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="write TensorBoard event files under DIR/JOB instead (tensorboard --logdir DIR)")
     p = command("bench", cmd_bench, "benchmark a workload under several schedules, side by side")
     p.add_argument("workload", help="a name in benchmarks/workloads (agentic-10, mix, sweep, ...) or a TOML path")
     p.add_argument("--modes", help="comma-separated: async,sync,sequential,async-single-lora,sync-single-lora,"

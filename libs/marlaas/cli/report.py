@@ -51,3 +51,34 @@ def write_report(job: JobInfo, versions: list[VersionInfo], out_dir: Path) -> li
         plt.close(fig)
         written.append(path)
     return written
+
+
+def write_tensorboard(job: JobInfo, versions: list[VersionInfo], log_dir: Path) -> Path:
+    """Write the job's per-version figures as TensorBoard event files under ``log_dir/<job id>``
+    (``tensorboard --logdir log_dir`` shows them beside other runs): ``reward/mean`` and every
+    per-version agent figure (``tool/*``, ``episode/*``) at step i for version i, ``eval/score``
+    at the versions evaluated, each version's own batch figures (``version/...``: loss, ...) and
+    ``time/step_s``, with each version's commit time as the wall time."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    run_dir = log_dir / job.id
+    committed = {v.version: v.committed_at for v in versions if v.committed_at}
+    with SummaryWriter(log_dir=str(run_dir)) as writer:
+        def scalar(tag: str, value: float, step: int) -> None:
+            writer.add_scalar(tag, value, step, walltime=committed.get(step))
+
+        for step, reward in enumerate(job.rewards):
+            scalar("reward/mean", reward, step)
+        for name, values in job.metrics.items():
+            for step, value in enumerate(values):
+                scalar(name, value, step)
+        for score in job.evals:
+            scalar("eval/score", score.score, score.version)
+        for version in versions:
+            for name, value in version.metrics.items():
+                scalar(f"version/{name}", value, version.version)
+        for step, seconds in step_times(versions):
+            scalar("time/step_s", seconds, step)
+        writer.add_text("job", f"{job.id}: task {job.task}, {job.state}, version {job.version}"
+                               f"/{job.target_steps}")
+    return run_dir
