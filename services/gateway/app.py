@@ -11,6 +11,8 @@ ReDoc, ...) are not served at all: they load their scripts from CDNs.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import asyncio
 import hmac
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from litestar.di import Provide
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
+from litestar.static_files import create_static_files_router
 from litestar.openapi.plugins import JsonRenderPlugin
 from litestar.openapi.spec import Components, SecurityScheme
 
@@ -171,6 +174,9 @@ async def openapi_json(request: Request) -> dict:
     return schema
 
 
+UI_DIR = Path(__file__).parent / "ui"
+
+
 def create_app(gateway: Gateway) -> Litestar:
     """The ASGI app serving ``gateway``."""
     from services.gateway.files import FILE_ROUTES
@@ -178,8 +184,10 @@ def create_app(gateway: Gateway) -> Litestar:
 
     v1 = Router(path="/v1", route_handlers=[*JOB_ROUTES, *FILE_ROUTES],
                 dependencies={"tenant": Provide(authenticated_tenant)}, security=[{"bearer": []}])
+    # the dashboard: static files that call /v1 with the token the tenant types in (ui/app.js)
+    ui = create_static_files_router(path="/ui", directories=[UI_DIR], html_mode=True, name="ui")
     return Litestar(
-        route_handlers=[v1, healthz, readyz, metrics, openapi_json],
+        route_handlers=[v1, healthz, readyz, metrics, openapi_json, ui],
         state=State({"gateway": gateway}),
         exception_handlers={Exception: error_answer},
         request_max_body_size=gateway.config.gateway.max_body_bytes,

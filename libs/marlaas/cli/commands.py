@@ -141,6 +141,7 @@ def cmd_info(args, config) -> int:
             "running": _launcher_pid(config) is not None,
             "gateway_url": gateway.read_text().strip() if gateway.exists() else None,
             "nats_url": nats_access.redact_url(nats.read_text().strip()) if nats.exists() else None}
+    info["dashboard"] = f"{info['gateway_url']}/ui/" if info["gateway_url"] else None
     if args.json:
         _print_json(info)
     else:

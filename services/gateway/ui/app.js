@@ -1,0 +1,241 @@
+// marlaas's dashboard: the tenant's jobs and their curves, from the same HTTP API the CLI uses
+// (/v1/jobs with the tenant's bearer token). The token stays in this tab (sessionStorage). A
+// selected job is followed live through its server-sent events; the list is refreshed every 3 s.
+"use strict";
+
+const TOOL_SUCCESS = "tool/success_rate";
+const $ = (selector) => document.querySelector(selector);
+let token = sessionStorage.getItem("marlaas-token") || "";
+let selected = null;   // the job whose curves are shown
+let following = null;  // the AbortController of its event stream
+
+class ApiError extends Error {
+  constructor(status, message) { super(message); this.status = status; }
+}
+
+async function api(path, options = {}) {
+  const response = await fetch(path, {
+    ...options, headers: { ...(options.headers || {}), Authorization: `Bearer ${token}` },
+  });
+  if (!response.ok) {
+    const body = await response.json().catch(() => ({ error: response.statusText }));
+    throw new ApiError(response.status, body.error || response.statusText);
+  }
+  return response;
+}
+
+const fmt = (value, digits = 2) => (value === null || value === undefined ? "–" : Number(value).toFixed(digits));
+const last = (values) => (values && values.length ? values[values.length - 1] : null);
+
+function element(tag, text, className) {
+  const node = document.createElement(tag);
+  if (text !== undefined) node.textContent = text;  // text, never HTML: job names are the tenant's
+  if (className) node.className = className;
+  return node;
+}
+
+// --- sign in ---------------------------------------------------------------------------------
+
+async function signIn(candidate) {
+  token = candidate;
+  try {
+    await api("/v1/jobs");
+  } catch (error) {
+    token = "";
+    sessionStorage.removeItem("marlaas-token");
+    $("#signin-error").textContent = error.status === 401
+      ? `That token was not accepted: ${error.message}` : `The gateway did not answer: ${error.message}`;
+    return false;
+  }
+  sessionStorage.setItem("marlaas-token", token);
+  $("#signin").hidden = true;
+  $("#app").hidden = false;
+  $("#signout").hidden = false;
+  $("#who").textContent = `tenant ${token.slice(4, token.lastIndexOf("_"))}`;
+  await refresh();
+  return true;
+}
+
+function signOut() {
+  sessionStorage.removeItem("marlaas-token");
+  location.reload();
+}
+
+// --- the job list ----------------------------------------------------------------------------
+
+async function refresh() {
+  try {
+    const jobs = await (await api("/v1/jobs")).json();
+    renderJobs(jobs);
+    $("#app-error").textContent = "";
+    if (selected) renderDetail(jobs.find((job) => job.id === selected));
+  } catch (error) {
+    $("#app-error").textContent = `Could not list your jobs: ${error.message}`;
+  }
+}
+
+function renderJobs(jobs) {
+  const body = $("#jobs tbody");
+  body.replaceChildren();
+  $("#no-jobs").hidden = jobs.length > 0;
+  for (const job of jobs) {
+    const row = element("tr");
+    row.dataset.job = job.id;
+    if (job.id === selected) row.classList.add("selected");
+    const tools = last((job.metrics || {})[TOOL_SUCCESS]);
+    const cells = [job.id, job.task, job.state, `${Math.max(job.version, 0)} / ${job.target_steps}`,
+      fmt(last(job.rewards)), tools === null ? "–" : `${Math.round(100 * tools)} %`, fmt(job.tpts_s),
+      job.queue_position ?? "–"];
+    cells.forEach((text, i) => row.append(element("td", String(text), i === 2 ? `state-${job.state}` : "")));
+    const actions = element("td");
+    if (job.state === "queued" || job.state === "running") {
+      const cancel = element("button", "cancel");
+      cancel.addEventListener("click", (event) => { event.stopPropagation(); cancelJob(job.id); });
+      actions.append(cancel);
+    }
+    if (job.version >= 0) {
+      const download = element("button", "download");
+      download.addEventListener("click", (event) => { event.stopPropagation(); downloadAdapter(job.id); });
+      actions.append(download);
+    }
+    row.append(actions);
+    row.addEventListener("click", () => select(job.id));
+    body.append(row);
+  }
+}
+
+async function cancelJob(id) {
+  try { await api(`/v1/jobs/${encodeURIComponent(id)}/cancel`, { method: "POST" }); }
+  catch (error) { $("#app-error").textContent = `Could not cancel ${id}: ${error.message}`; }
+  await refresh();
+}
+
+async function downloadAdapter(id) {
+  try {
+    const blob = await (await api(`/v1/jobs/${encodeURIComponent(id)}/adapter`)).blob();
+    const link = element("a");
+    link.href = URL.createObjectURL(blob);
+    link.download = `${id}-adapter.tar.gz`;
+    link.click();
+    URL.revokeObjectURL(link.href);
+  } catch (error) {
+    $("#app-error").textContent = `Could not download ${id}'s adapter: ${error.message}`;
+  }
+}
+
+// --- one job: curves, timeline, live ---------------------------------------------------------
+
+async function select(id) {
+  selected = id;
+  if (following) following.abort();
+  following = new AbortController();
+  await refresh();
+  follow(id, following.signal);
+}
+
+async function renderDetail(job) {
+  if (!job) { $("#detail").hidden = true; return; }
+  $("#detail").hidden = false;
+  $("#detail-title").textContent = job.id;
+  $("#detail-state").textContent = `${job.task}: ${job.state}${job.reason ? ` (${job.reason})` : ""}, `
+    + `version ${Math.max(job.version, 0)} of ${job.target_steps}`;
+  line($("#chart-reward"), job.rewards.map((value, version) => [version, value]), [0, 1]);
+  line($("#chart-eval"), (job.evals || []).map((e) => [e.version, e.score]), [0, 1],
+    "not evaluated (a job's eval_every sets it)");
+  line($("#chart-tools"), ((job.metrics || {})[TOOL_SUCCESS] || []).map((value, version) => [version, value]), [0, 1],
+    "no tool calls (not an agentic job)");
+  try {
+    const versions = await (await api(`/v1/jobs/${encodeURIComponent(job.id)}/versions`)).json();
+    const steps = versions.slice(1).map((v, i) => [v.version, v.committed_at - versions[i].committed_at]);
+    bars($("#chart-timeline"), steps);
+  } catch (error) { /* the job may be gone; the list says so */ }
+}
+
+async function follow(id, signal) {
+  // EventSource cannot send a bearer token: read the stream with fetch; each event redraws
+  try {
+    const response = await api(`/v1/jobs/${encodeURIComponent(id)}/events`, { signal });
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let pending = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      pending += decoder.decode(value, { stream: true });
+      if (pending.includes("\n\n")) { pending = pending.slice(pending.lastIndexOf("\n\n") + 2); refresh(); }
+    }
+  } catch (error) { /* aborted, or the stream ended: the 3 s refresh goes on */ }
+}
+
+// --- charts: SVG drawn here (no library, nothing from another host) ---------------------------
+
+const SVG = "http://www.w3.org/2000/svg";
+const PAD = { left: 36, right: 10, top: 10, bottom: 22 };
+
+function frame(svg) {
+  svg.replaceChildren();
+  const { width, height } = svg.getBoundingClientRect();
+  return { width: width || 420, height: height || 200 };
+}
+
+function axes(svg, size, xMax, [yMin, yMax]) {
+  for (const [y, label] of [[yMin, fmt(yMin, 1)], [yMax, fmt(yMax, 1)]]) {
+    const text = document.createElementNS(SVG, "text");
+    text.setAttribute("x", 4);
+    text.setAttribute("y", PAD.top + (size.height - PAD.top - PAD.bottom) * (1 - (y - yMin) / (yMax - yMin || 1)) + 4);
+    text.textContent = label;
+    svg.append(text);
+  }
+  const text = document.createElementNS(SVG, "text");
+  text.setAttribute("x", size.width - PAD.right - 60);
+  text.setAttribute("y", size.height - 6);
+  text.textContent = `version ${xMax}`;
+  svg.append(text);
+}
+
+function empty(svg, size, message) {
+  const text = document.createElementNS(SVG, "text");
+  text.setAttribute("x", PAD.left);
+  text.setAttribute("y", size.height / 2);
+  text.textContent = message;
+  svg.append(text);
+}
+
+function line(svg, points, range, none = "nothing yet") {
+  const size = frame(svg);
+  if (points.length === 0) { empty(svg, size, none); return; }
+  const xMax = Math.max(1, ...points.map((p) => p[0]));
+  const [yMin, yMax] = range;
+  const x = (v) => PAD.left + (size.width - PAD.left - PAD.right) * (v / xMax);
+  const y = (v) => PAD.top + (size.height - PAD.top - PAD.bottom) * (1 - (v - yMin) / (yMax - yMin));
+  const poly = document.createElementNS(SVG, "polyline");
+  poly.setAttribute("points", points.map(([a, b]) => `${x(a).toFixed(1)},${y(b).toFixed(1)}`).join(" "));
+  svg.append(poly);
+  axes(svg, size, xMax, range);
+}
+
+function bars(svg, points) {
+  const size = frame(svg);
+  if (points.length === 0) { empty(svg, size, "no version trained yet"); return; }
+  const xMax = Math.max(...points.map((p) => p[0]));
+  const yMax = Math.max(...points.map((p) => p[1]), 0.001);
+  const width = (size.width - PAD.left - PAD.right) / Math.max(points.length, 1);
+  points.forEach(([version, seconds], i) => {
+    const rect = document.createElementNS(SVG, "rect");
+    const h = (size.height - PAD.top - PAD.bottom) * (seconds / yMax);
+    rect.setAttribute("x", PAD.left + i * width);
+    rect.setAttribute("y", size.height - PAD.bottom - h);
+    rect.setAttribute("width", Math.max(1, width - 1));
+    rect.setAttribute("height", h);
+    rect.append(Object.assign(document.createElementNS(SVG, "title"), { textContent: `v${version}: ${fmt(seconds)} s` }));
+    svg.append(rect);
+  });
+  axes(svg, size, xMax, [0, yMax]);
+}
+
+// --- start -----------------------------------------------------------------------------------
+
+$("#signin").addEventListener("submit", (event) => { event.preventDefault(); signIn($("#token").value.trim()); });
+$("#signout").addEventListener("click", signOut);
+setInterval(() => { if (token && !$("#app").hidden) refresh(); }, 3000);
+if (token) signIn(token);

@@ -1,0 +1,121 @@
+"""The dashboard at /ui/, in a real browser: headless Chromium (Debian's, driven by selenium with
+Debian's chromedriver) against a real stack. A wrong token is refused; alice sees her job and not
+bob's; her job's reward curve is drawn (checked in the DOM and in a screenshot's pixels)."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+
+import pytest
+
+from marlaas.platform.bus import Bus
+from marlaas.platform.config import load_config
+from marlaas.platform.tenants import add_tenant
+from marlaas.sdk.http import Client
+from marlaas.stack.launcher import SERVICES, Stack
+
+pytestmark = [pytest.mark.stack, pytest.mark.timeout(400)]
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+JOB = {"task": "reverse", "steps": 3, "seed": 1, "grpo": {"prompts_per_step": 4, "group_size": 4}}
+CURVE_BLUE = (31, 95, 191)  # app.css: svg.chart polyline's stroke
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The stack, alice's finished job and bob's: (gateway URL, tokens, alice's job, bob's job)."""
+    config = load_config(overrides={"home": str(tmp_path_factory.mktemp("ui-home")), "gateway.port": 0}, env={})
+    services = SERVICES if "gateway" in SERVICES else (*SERVICES, "gateway")
+    with Stack(config, services=services) as stack:
+        async def tenants():
+            bus = await Bus.connect(stack.nats_url, name="test-ui")
+            try:
+                return {name: (await add_tenant(bus, name))[1] for name in ("alice", "bob")}
+            finally:
+                await bus.close()
+
+        tokens = asyncio.run(tenants())
+        url = (stack.run_dir / "gateway.url").read_text().strip()
+        with Client(url, tokens["alice"]) as alice, Client(url, tokens["bob"]) as bob:
+            mine, theirs = alice.submit({**JOB, "name": "mine"}), bob.submit({**JOB, "name": "theirs"})
+            deadline = time.monotonic() + 240
+            while alice.job(mine).state != "completed":
+                assert time.monotonic() < deadline, alice.job(mine)
+                time.sleep(0.5)
+        yield url, tokens, mine, theirs
+
+
+@pytest.fixture
+def browser(tmp_path):
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.fail("chromium and chromedriver are missing: `make setup` installs them (scripts/install-system.sh)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--window-size=1280,1000", f"--user-data-dir={tmp_path / 'profile'}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def sign_in(driver, url: str, token: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    driver.get(f"{url}/ui/")
+    field = driver.find_element(By.ID, "token")
+    field.clear()
+    field.send_keys(token)
+    driver.find_element(By.CSS_SELECTOR, "#signin button").click()
+
+
+def until(driver, check, what: str, timeout_s: float = 20):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout_s).until(lambda d: check(d), message=what)
+
+
+def blue_pixels(png: bytes) -> int:
+    import io
+
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    return sum(1 for pixel in image.get_flattened_data() if all(abs(a - b) < 40 for a, b in zip(pixel, CURVE_BLUE)))
+
+
+def test_a_wrong_token_is_refused(site, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    url, tokens, _, _ = site
+    sign_in(browser, url, tokens["alice"][:-4] + "0000")
+    error = until(browser, lambda d: d.find_element(By.ID, "signin-error").text, "no sign-in error shown")
+    assert "not accepted" in error
+    assert not browser.find_element(By.ID, "app").is_displayed()
+    (tmp_path / "refused.png").write_bytes(browser.get_screenshot_as_png())
+
+
+def test_alice_sees_her_job_and_its_curve_and_not_bobs(site, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    url, tokens, mine, theirs = site
+    sign_in(browser, url, tokens["alice"])
+    row = until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, f'tr[data-job="{mine}"]'), "alice's job listed")[0]
+    assert "completed" in row.text and "3 / 3" in row.text
+    assert theirs not in browser.page_source  # bob's job is nowhere on alice's page
+    row.click()
+    curve = until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#chart-reward polyline"), "no reward curve")[0]
+    assert len(curve.get_attribute("points").split()) == 3  # rewards of versions 0, 1 and 2
+    bars = browser.find_elements(By.CSS_SELECTOR, "#chart-timeline rect")
+    assert len(bars) == 3  # the seconds between consecutive commits of versions 0..3
+    assert not browser.find_element(By.ID, "signin").is_displayed()  # signed in: the form is gone
+    assert "not an agentic job" in browser.find_element(By.ID, "chart-tools").text
+    png = browser.get_screenshot_as_png()
+    (tmp_path / "dashboard.png").write_bytes(png)
+    assert blue_pixels(png) > 100, "the curve is in the DOM but was not drawn"
