@@ -71,33 +71,54 @@ def cli(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.Com
                           text=True, timeout=timeout)
 
 
+def readme_tour() -> list[list[str]]:
+    """The README's five-minute tour, one command per line (comments dropped)."""
+    import shlex
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = text[text.index("## A five-minute tour"):].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [shlex.split(line.split("#", 1)[0]) for line in block.splitlines() if line.strip()]
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.stack
-def test_up_detached_serves_at_once_and_down_stops_every_process(tmp_path):
-    """`marlaas up -d` returns once the stack accepts jobs; `marlaas down` sends the launcher
-    SIGTERM (what kill, systemd and docker stop send; handled like Ctrl-C) and returns once
-    every process is gone."""
+def test_the_readme_tour_runs_as_typed_and_down_leaves_no_process(tmp_path):
+    """The README's tour, command by command (JOB: the first job it submits): `up -d` returns
+    once the stack accepts jobs, a submit right after it works, and `down` sends the launcher
+    SIGTERM (as kill, systemd and docker stop do; handled like Ctrl-C) and returns once every
+    process is gone."""
     (tmp_path / "config.toml").write_text("[gateway]\nport = 0\n")  # any free port
     env = {**os.environ, "MARLAAS_NATS_URL": "", "MARLAAS_URL": "", "MARLAAS_TOKEN": "",
            "MARLAAS_HOME": str(tmp_path), "MARLAAS_CONFIG": str(tmp_path / "config.toml")}
-    up = cli(env, "up", "-d", "--json")
-    assert up.returncode == 0, up.stdout + up.stderr
-    info = json.loads(up.stdout)
-    launcher = json.loads((tmp_path / "run" / "stack.json").read_text())["pid"]
-    children = [c.pid for c in psutil.Process(launcher).children(recursive=True)]
+    tour = readme_tour()
+    assert [words[:2] for words in tour][0] == [".venv/bin/marlaas", "up"] and tour[-1][1:] == ["down"]
+    job, launcher, children, outputs = None, None, [], {}
     try:
-        assert any("nats-server" in " ".join(psutil.Process(p).cmdline()) for p in children)
-        submit = cli(env, "submit", "--task", "addition", "--steps", "1", "--json")  # at once
-        assert submit.returncode == 0, submit.stdout + submit.stderr
-        again = cli(env, "up", "-d")
-        assert again.returncode == 2 and "already running" in again.stderr and "marlaas down" in again.stderr
-        no_home = {k: v for k, v in env.items() if k != "MARLAAS_HOME"}
-        where = json.loads(cli(no_home, "info", "--json", "--home", str(tmp_path)).stdout)  # options after too
-        assert where["running"] and where["gateway_url"] == info["gateway_url"]
-        assert (Path(where["base_model"]) / "config.json").is_file()
+        for words in tour:
+            assert words[0] == ".venv/bin/marlaas", words
+            args = [job if word == "JOB" else word for word in words[1:]]
+            args = [str(tmp_path / arg) if arg.endswith("/") else arg for arg in args]  # adapter/ under tmp
+            done = cli(env, *args, timeout=300)
+            assert done.returncode == 0, (words, done.stdout + done.stderr)
+            outputs[args[0]] = done.stdout
+            if args[0] == "up":
+                launcher = json.loads((tmp_path / "run" / "stack.json").read_text())["pid"]
+                children = [c.pid for c in psutil.Process(launcher).children(recursive=True)]
+                assert any("nats-server" in " ".join(psutil.Process(p).cmdline()) for p in children)
+                again = cli(env, "up", "-d")
+                assert again.returncode == 2 and "already running" in again.stderr
+            if args[0] == "submit" and job is None:
+                job = done.stdout.strip().split()[-1]  # the id it prints
+            if args[0] == "info":  # options after the command too
+                no_home = {k: v for k, v in env.items() if k != "MARLAAS_HOME"}
+                where = json.loads(cli(no_home, "info", "--json", "--home", str(tmp_path)).stdout)
+                assert where["running"] and where["dashboard"].endswith("/ui/")
+                assert (Path(where["base_model"]) / "config.json").is_file()
     finally:
-        down = cli(env, "down", "--json", timeout=240)
-    assert down.returncode == 0 and json.loads(down.stdout) == {"stopped": launcher}, down.stdout + down.stderr
+        if launcher is not None and psutil.pid_exists(launcher):  # the tour failed before its `down`
+            cli(env, "down", timeout=240)
+    assert "completed at version 10/10" in outputs["watch"]
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
     assert gone([launcher, *children], 30), "processes of the stack outlived `marlaas down`"
     assert not (tmp_path / "run" / "stack.json").exists()
     assert "no stack is running" in cli(env, "down").stdout  # nothing to stop is not an error
