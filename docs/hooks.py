@@ -3,9 +3,11 @@ drift. A page asks for one with a marker line:
 
     <!-- reference: config -->   every setting of marlaas.platform.config.Config, by section
     <!-- reference: job -->      every field of a job file (marlaas.platform.api.SubmitRequest)
+    <!-- reference: http -->     every endpoint of the tenants' API, from the gateway's OpenAPI schema
+    <!-- reference: sdk -->      marlaas.Client's methods, from their signatures and docstrings
 
-Each row is a struct field: its name, type, default, and the comment beside it (or the comment
-block just above it) in the source.
+For the structs, each row is a field: its name, type, default, and the comment beside it (or
+the comment block just above it) in the source.
 """
 from __future__ import annotations
 
@@ -74,13 +76,53 @@ def table(cls: type, prefix: str = "") -> list[str]:
     return rows
 
 
+def http_reference() -> str:
+    """The tenants' endpoints (``/v1``) as the gateway's schema describes them."""
+    import types
+
+    from marlaas.platform.config import Config
+    from services.gateway.app import api_schema, create_app
+
+    schema = api_schema(create_app(types.SimpleNamespace(config=Config())))
+    rows = ["| method | path | what it does | answers |", "|---|---|---|---|"]
+    for path, operations in schema["paths"].items():
+        if not path.startswith("/v1/"):
+            continue  # /schema: the operator's
+        for method, op in operations.items():
+            codes = ", ".join(sorted(op.get("responses", {})))
+            rows.append(f"| {method.upper()} | `{path}` | {op.get('summary', '')} | {codes} |")
+    return "\n".join(rows) + "\n"
+
+
+def sdk_reference() -> str:
+    """``marlaas.Client``'s public methods: signature and the first paragraph of the docstring."""
+    from marlaas.sdk.http import Client
+
+    parts = []
+    for name, member in inspect.getmembers(Client):
+        if name.startswith("_") or not (inspect.isfunction(member) or inspect.ismethod(member)):
+            continue
+        function = getattr(member, "__func__", member)  # a classmethod: from_env
+        try:
+            signature = inspect.signature(function, eval_str=True)
+        except NameError:  # an annotation only the type checker knows
+            signature = inspect.signature(function)
+        doc = (inspect.getdoc(function) or "").split("\n\n")[0].replace("\n", " ")
+        parts.append(f"- `Client.{name}{signature}`" + (f": {doc}" if doc else ""))
+    return "\n".join(parts) + "\n"
+
+
 def reference(name: str) -> str:
+    if name == "http":
+        return http_reference()
+    if name == "sdk":
+        return sdk_reference()
     if name == "config":
         from marlaas.platform.config import Config as root
     elif name == "job":
         from marlaas.platform.api import SubmitRequest as root
     else:
-        raise ValueError(f"unknown reference {name!r}: config or job")
+        raise ValueError(f"unknown reference {name!r}: config, job, http or sdk")
     return "\n".join(["| field | type | default | what it is |", "|---|---|---|---|", *table(root)]) + "\n"
 
 

@@ -162,9 +162,14 @@ async def metrics(request: Request) -> bytes:
 
 @get("/openapi.json", include_in_schema=False, guards=[operator_only])
 async def openapi_json(request: Request) -> dict:
-    """The OpenAPI schema of the API, with the job body (read raw, so the framework cannot see it),
-    for the operator."""
-    schema = request.app.openapi_schema.to_schema()
+    """The OpenAPI schema of the API, for the operator."""
+    return api_schema(request.app)
+
+
+def api_schema(app: Litestar) -> dict:
+    """``app``'s OpenAPI schema with the job body (read raw, so the framework cannot see it);
+    also what the docs' HTTP API reference is generated from (docs/hooks.py)."""
+    schema = app.openapi_schema.to_schema()
     (job,), components = msgspec.json.schema_components([api.SubmitRequest],
                                                         ref_template="#/components/schemas/{name}")
     schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
