@@ -14,7 +14,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from marlaas.platform.nats_client import AdapterGone, Client
+from marlaas.platform.nats_client import AdapterGone, BusClient
 from marlaas.platform.config import load_config
 from marlaas.platform.events import PolicyCommitted
 from marlaas.sdk.discovery import running_nats_url
@@ -36,7 +36,7 @@ def evaluate(base, tokenizer, adapter_dir: str, task, problems: list[dict]) -> f
 
 async def main(job: str, n_problems: int) -> None:
     config = load_config()
-    client = await Client.connect(running_nats_url(config), store_url=config.resolved_store_url)
+    client = await BusClient.connect(running_nats_url(config), store_url=config.resolved_store_url)
     task = get_task((await client.status(job))[0].task)
     problems = task.problems(n_problems, seed=12345)  # a fixed held-out set
     base = AutoModelForCausalLM.from_pretrained(config.base_model_dir)

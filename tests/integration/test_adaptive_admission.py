@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from marlaas.platform.bus import Bus
-from marlaas.platform.nats_client import Client
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.config import load_config
 from marlaas.stack.launcher import Stack
 from marlaas.platform.telemetry import read_spans
@@ -24,7 +24,7 @@ def test_adaptive_admission_admits_one_settled_job_at_a_time(tmp_path):
                                     "manager.target_trainer_busy": 0.99}, env={})
 
     async def go(url: str):
-        client = await Client.connect(url)
+        client = await BusClient.connect(url)
         ids = [await client.submit({"name": f"j{i}", "task": "addition", "steps": 4, "seed": i}) for i in range(3)]
         states = [v.state for v in sorted(await client.status(), key=lambda v: v.name)]
         views = await client.wait(ids, timeout_s=400)

@@ -31,7 +31,7 @@ from marlaas.platform.audit import audit_training
 from marlaas.platform.bus import Bus
 from marlaas.platform.config import load_config
 from marlaas.platform.files import put_file
-from marlaas.platform.nats_client import Client
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.store import open_store
 from marlaas.platform.telemetry import read_spans
 from marlaas.stack.launcher import Stack
@@ -72,7 +72,7 @@ def test_an_agent_job_learns_to_call_a_tool_it_has_never_seen(tmp_path):
     rows = "".join(json.dumps(row) + "\n" for row in made_up_tools.dataset_rows()).encode()
 
     async def go(stack: Stack):
-        client = await Client.connect(stack.nats_url)
+        client = await BusClient.connect(stack.nats_url)
         deadline = time.monotonic() + 60
         while any([await read_tool(client.bus, name) is None for name in TOOLS]):
             assert time.monotonic() < deadline, "the tools never announced themselves"

@@ -14,7 +14,7 @@ import pytest
 
 from marlaas.platform.audit import audit_training
 from marlaas.platform.bus import Bus
-from marlaas.platform.nats_client import ApiError, Client
+from marlaas.platform.nats_client import ApiError, BusClient
 from marlaas.platform.config import load_config
 from marlaas.platform.events import TRAJECTORY
 from marlaas.stack.launcher import Stack
@@ -61,7 +61,7 @@ async def catch_batches(url: str, job: str, into: list, stop: asyncio.Event) -> 
 @pytest.mark.timeout(1800)
 def test_the_agentic_task_learns_to_use_its_tool_next_to_a_single_turn_job(stack):
     async def go():
-        client = await Client.connect(stack.nats_url)
+        client = await BusClient.connect(stack.nats_url)
         agent = await client.submit({"name": "agent", "task": "multiply", "steps": STEPS, "seed": 1})
         plain = await client.submit({"name": "plain", "task": "reverse", "steps": STEPS, "seed": 2})
         batches, stop = [], asyncio.Event()
@@ -127,7 +127,7 @@ def test_a_tenants_own_tool_process_serves_a_job_and_its_loss_is_survived(stack,
         proc = subprocess.Popen([sys.executable, str(TOOL_SCRIPT), str(calls_log)], env=env_url)
         return proc
 
-    async def registered(client: Client) -> None:
+    async def registered(client: BusClient) -> None:
         from marlaas.tools.registry import read_tool
 
         deadline = time.monotonic() + 60
@@ -135,7 +135,7 @@ def test_a_tenants_own_tool_process_serves_a_job_and_its_loss_is_survived(stack,
             assert time.monotonic() < deadline, "the tool never announced itself"
             await asyncio.sleep(0.2)
 
-    async def version_reached(client: Client, job: str, version: int) -> None:
+    async def version_reached(client: BusClient, job: str, version: int) -> None:
         deadline = time.monotonic() + 300
         while (await client.status(job))[0].version < version:
             assert time.monotonic() < deadline, f"{job} never reached v{version}"
@@ -144,7 +144,7 @@ def test_a_tenants_own_tool_process_serves_a_job_and_its_loss_is_survived(stack,
     tool = start_tool()
     try:
         async def go():
-            client = await Client.connect(stack.nats_url)
+            client = await BusClient.connect(stack.nats_url)
             await registered(client)
             with pytest.raises(ApiError, match="belongs to tenant 'acme'"):
                 await client.submit({"task": "multiply", "steps": 2, "tenant": "other",

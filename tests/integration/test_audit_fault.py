@@ -9,7 +9,7 @@ import pytest
 
 from marlaas.platform.audit import audit_training, gaps_by_version
 from marlaas.platform.bus import Bus
-from marlaas.platform.nats_client import Client
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.config import load_config
 from marlaas.stack.launcher import Stack
 from marlaas.platform.telemetry import read_spans
@@ -25,7 +25,7 @@ def test_an_engine_serving_a_wrong_adapter_fails_the_audit(tmp_path):
     with Stack(config, child_env={"MARLAAS_FAULT_STALE_ADAPTER": "1"}) as stack:
 
         async def go():
-            client = await Client.connect(stack.nats_url)
+            client = await BusClient.connect(stack.nats_url)
             job = await client.submit({"task": "addition", "steps": STEPS, "seed": 1})
             (view,) = await client.wait([job], timeout_s=400)
             await client.close()

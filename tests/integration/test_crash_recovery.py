@@ -9,7 +9,7 @@ import time
 import pytest
 
 from marlaas.platform.bus import Bus
-from marlaas.platform.nats_client import Client
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.config import load_config
 from marlaas.platform.events import POLICY
 from marlaas.stack.launcher import Stack
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 STEPS = 12
 
 
-async def wait_for_version(client: Client, job: str, version: int, timeout_s: float = 300) -> None:
+async def wait_for_version(client: BusClient, job: str, version: int, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while (await client.status(job))[0].version < version:
         assert time.monotonic() < deadline, f"{job} never reached v{version}"
@@ -40,7 +40,7 @@ def test_killed_trainer_and_rollout_lose_nothing_and_repeat_nothing(tmp_path):
     with Stack(config) as stack:
 
         async def go() -> list:
-            client = await Client.connect(stack.nats_url)
+            client = await BusClient.connect(stack.nats_url)
             jobs = await asyncio.gather(*(
                 client.submit({"name": f"crash-{task}", "task": task, "steps": STEPS, "seed": 1})
                 for task in ("addition", "reverse")))

@@ -12,7 +12,7 @@ import pytest
 
 from marlaas.platform.audit import audit_training
 from marlaas.platform.bus import VERSIONS_BUCKET, Bus
-from marlaas.platform.nats_client import Client
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.commits import announce
 from marlaas.platform.config import load_config
 from marlaas.platform.events import COMMITTED
@@ -41,7 +41,7 @@ def test_repeated_announcements_past_the_duplicate_window_sample_nothing_twice(t
         return sent
 
     async def run(stack: Stack):
-        client = await Client.connect(stack.nats_url)
+        client = await BusClient.connect(stack.nats_url)
         job = await client.submit({"name": "once", "task": "addition", "steps": STEPS, "seed": 3})
         done = asyncio.Event()
         repeater = asyncio.create_task(repeat_announcements(stack.nats_url, job, done))

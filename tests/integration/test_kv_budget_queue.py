@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from marlaas.platform.bus import Bus
-from marlaas.platform.nats_client import Client
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.config import load_config
 from marlaas.stack.launcher import Stack
 from marlaas.platform.telemetry import read_spans
@@ -21,7 +21,7 @@ def test_a_job_beyond_the_kv_budget_queues_until_room_frees_up(tmp_path):
     config = load_config(overrides={"home": str(tmp_path), "gateway.port": 0, "manager.kv_budget_gib": 4 / 1024}, env={})
 
     async def go(url: str):
-        client = await Client.connect(url)
+        client = await BusClient.connect(url)
         first = await client.submit({"name": "first", "task": "repeat", "steps": 3, "seed": 1})
         second = await client.submit({"name": "second", "task": "addition", "steps": 2, "seed": 2})
         states = {v.id: v.state for v in await client.status()}

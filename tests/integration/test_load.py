@@ -15,7 +15,7 @@ import pytest
 
 from marlaas.platform.audit import audit_training
 from marlaas.platform.bus import Bus
-from marlaas.platform.nats_client import Client
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.config import load_config
 from marlaas.platform.events import POLICY
 from marlaas.stack.launcher import Stack
@@ -39,7 +39,7 @@ def test_32_jobs_at_once_all_finish_with_every_version_once(tmp_path):
     config = load_config(overrides={"home": str(tmp_path), "gateway.port": 0}, env={})
 
     async def go(url: str):
-        client = await Client.connect(url)
+        client = await BusClient.connect(url)
         ids = await asyncio.gather(*(client.submit({"name": f"load-{i}", "task": TASKS[i % len(TASKS)], "seed": i,
                                                     "steps": STEPS, "grpo": SMALL}) for i in range(JOBS)))
         views = await client.wait(list(ids), timeout_s=800)

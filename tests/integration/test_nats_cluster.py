@@ -19,7 +19,7 @@ import pytest
 
 from marlaas.platform import nats_access
 from marlaas.platform.bus import BUCKETS, STREAMS, Bus, Delivery, StaleRevision
-from marlaas.platform.nats_client import FINISHED, Client
+from marlaas.platform.nats_client import FINISHED, BusClient
 from marlaas.platform.commits import read_job
 from marlaas.platform.config import load_config, read_config_json
 from marlaas.stack.embedded_nats import EmbeddedNatsCluster
@@ -244,7 +244,7 @@ async def wait_for_versions(bus: Bus, jobs: list[str], done, what: str, timeout_
     return versions
 
 
-async def finished_views(client: Client, jobs: list[str], timeout_s: float = 600) -> list:
+async def finished_views(client: BusClient, jobs: list[str], timeout_s: float = 600) -> list:
     deadline = time.monotonic() + timeout_s
     while True:
         with contextlib.suppress(TimeoutError):  # a status request lost while a node died
@@ -272,7 +272,7 @@ def test_jobs_finish_exactly_once_through_a_killed_node_and_a_killed_policy_lead
     with Stack(config, nats_cluster=3) as stack:
 
         async def go() -> list:
-            client = await Client.connect(stack.nats_url)
+            client = await BusClient.connect(stack.nats_url)
             bus = client.bus
             try:
                 jobs = list(await asyncio.gather(*(

@@ -11,7 +11,7 @@ import pytest
 
 from marlaas.platform.audit import audit_training
 from marlaas.platform.bus import Bus
-from marlaas.platform.nats_client import Client
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.config import load_config
 from marlaas.stack.launcher import Stack
 from marlaas.platform.telemetry import read_spans
@@ -34,7 +34,7 @@ def test_replicas_share_the_work_and_survive_a_killed_rollout(tmp_path):
                                             "rollout", "rollout-2"])
 
     async def submit_and_wait_for_progress(url: str) -> list[str]:
-        client = await Client.connect(url)
+        client = await BusClient.connect(url)
         ids = [await client.submit({"name": f"{task}-{seed}", "task": task, "steps": STEPS, "seed": seed})
                for task, seed in JOBS]
         deadline = time.monotonic() + 300
@@ -45,7 +45,7 @@ def test_replicas_share_the_work_and_survive_a_killed_rollout(tmp_path):
         return ids
 
     async def finish(url: str, ids: list[str]):
-        client = await Client.connect(url)
+        client = await BusClient.connect(url)
         views = await client.wait(ids, timeout_s=500)
         bus = await Bus.connect(url)
         spans = [s for s in await read_spans(bus) if s.job in ids]

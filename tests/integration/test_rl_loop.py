@@ -23,7 +23,7 @@ import pytest
 
 from marlaas.platform.audit import MAX_LOGPROB_GAP, audit_training, gaps_by_version
 from marlaas.platform.bus import Bus
-from marlaas.platform.nats_client import ApiError, Client
+from marlaas.platform.nats_client import ApiError, BusClient
 from marlaas.platform.config import load_config
 from marlaas.platform.events import POLICY, PolicyCommitted
 from marlaas.stack.launcher import Stack
@@ -76,7 +76,7 @@ def overlaps(a, b) -> bool:
 @pytest.mark.timeout(1500)
 def test_three_concurrent_jobs_learn_on_policy_with_overlap(stack):
     async def submit_and_wait():
-        client = await Client.connect(stack.nats_url)
+        client = await BusClient.connect(stack.nats_url)
         ids = await asyncio.gather(*(client.submit({**job, "steps": STEPS}) for job in JOBS))
         views = await client.wait(list(ids), timeout_s=1400)
         await client.close()
@@ -143,7 +143,7 @@ def test_bad_submissions_are_refused_and_create_nothing(stack):
     ]
 
     async def go():
-        client = await Client.connect(stack.nats_url)
+        client = await BusClient.connect(stack.nats_url)
         before = len(await client.status())
         for job, message in bad:
             with pytest.raises((ApiError, ValueError), match=re.escape(message)):
@@ -158,7 +158,7 @@ def test_bad_submissions_are_refused_and_create_nothing(stack):
 
 def test_cancel_stops_a_running_job(stack):
     async def go():
-        client = await Client.connect(stack.nats_url)
+        client = await BusClient.connect(stack.nats_url)
         job = await client.submit({"name": "long", "task": "addition", "steps": 1000, "seed": 9})
         deadline = time.monotonic() + 300
         while (await client.status(job))[0].version < 1:
@@ -204,7 +204,7 @@ def test_cli_json_shapes(stack, tmp_path):
     job = submitted["id"]
 
     async def wait():
-        client = await Client.connect(stack.nats_url)
+        client = await BusClient.connect(stack.nats_url)
         await client.wait([job], timeout_s=300)
         await client.close()
 
@@ -234,7 +234,7 @@ def test_a_stale_batch_is_terminated_not_trained(stack):
     from marlaas.platform.events import Sample, TrajectoryBatch, TrajectoryReady, encode
 
     async def go():
-        client = await Client.connect(stack.nats_url)
+        client = await BusClient.connect(stack.nats_url)
         job = await client.submit({"name": "audit", "task": "reverse", "steps": 1000, "seed": 5})
         deadline = time.monotonic() + 300
         while (await client.status(job))[0].version < 2:
@@ -267,7 +267,7 @@ def test_a_job_whose_data_breaks_mid_run_fails_alone(stack, tmp_path):
     data.write_text(json.dumps({"question": "What is 2 plus 3?", "answer": "#### 5"}) + "\n")
 
     async def go():
-        client = await Client.connect(stack.nats_url)
+        client = await BusClient.connect(stack.nats_url)
         job = await client.submit({"name": "breaks", "task": "gsm8k", "dataset": str(data), "steps": 3,
                                    "grpo": {"max_new_tokens": 32, "prompts_per_step": 2, "group_size": 2}})
         data.write_text("this is not JSON\n")  # the user overwrites their file while the job runs
@@ -287,7 +287,7 @@ def wait_all(stack, jobs: list[dict], timeout_s: float = 300) -> list:
     """Submit ``jobs`` at once and wait until all are finished."""
 
     async def go():
-        client = await Client.connect(stack.nats_url)
+        client = await BusClient.connect(stack.nats_url)
         ids = await asyncio.gather(*(client.submit(job) for job in jobs))
         views = await client.wait(list(ids), timeout_s=timeout_s)
         await client.close()
@@ -346,7 +346,7 @@ def test_a_user_process_follows_a_job_and_evaluates_each_version(stack):
 
 
 async def submit_only(stack, jobs: list[dict]) -> list[str]:
-    client = await Client.connect(stack.nats_url)
+    client = await BusClient.connect(stack.nats_url)
     ids = [await client.submit(job) for job in jobs]
     await client.close()
     return ids
@@ -379,7 +379,7 @@ def test_evaluation_scores_every_nth_version_and_the_last(stack):
 
 
 async def status_of(stack, job: str):
-    client = await Client.connect(stack.nats_url)
+    client = await BusClient.connect(stack.nats_url)
     (view,) = await client.status(job)
     await client.close()
     return view
@@ -392,7 +392,7 @@ def test_a_pulled_adapter_gives_the_same_greedy_text_in_peft_and_vllm(stack, tmp
     (view,) = wait_all(stack, [{"name": "pulled", "task": "reverse", "steps": 3, "seed": 13}])
 
     async def pull():
-        client = await Client.connect(stack.nats_url, store_url=stack.resolved.store_url)
+        client = await BusClient.connect(stack.nats_url, store_url=stack.resolved.store_url)
         last = None
         async for event in client.events(view.id):
             if isinstance(event, PolicyCommitted):

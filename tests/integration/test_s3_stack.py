@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from marlaas.platform.nats_client import Client
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.config import load_config
 from marlaas.stack.launcher import Stack
 from marlaas.platform.store import S3Store
@@ -19,7 +19,7 @@ def test_a_job_commits_its_versions_to_the_s3_store(tmp_path, s3_server):
     config = load_config(overrides={"home": str(tmp_path), "gateway.port": 0, "store_url": "s3://marlaas/run1"}, env={})
 
     async def go(url: str) -> str:
-        client = await Client.connect(url)
+        client = await BusClient.connect(url)
         job = await client.submit({"name": "s3", "task": "repeat", "steps": 2, "seed": 1})
         (view,) = await client.wait([job], timeout_s=300)
         await client.close()

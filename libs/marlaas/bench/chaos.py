@@ -28,7 +28,7 @@ from pathlib import Path
 
 from marlaas.platform.audit import audit_training
 from marlaas.platform.bus import Bus
-from marlaas.platform.nats_client import Client
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.config import load_config
 from marlaas.platform.events import POLICY
 from marlaas.stack.launcher import Stack
@@ -42,7 +42,7 @@ GC_SETTLE_S = 60.0
 
 
 async def _submit(url: str, jobs: int, steps: int) -> list[str]:
-    client = await Client.connect(url)
+    client = await BusClient.connect(url)
     try:
         return [await client.submit({"name": f"chaos-{i}", "task": TASKS[i % len(TASKS)], "steps": steps,
                                      "seed": i}) for i in range(jobs)]
@@ -51,7 +51,7 @@ async def _submit(url: str, jobs: int, steps: int) -> list[str]:
 
 
 async def _states(url: str, ids: list[str]) -> dict[str, tuple[str, int]]:
-    client = await Client.connect(url, timeout_s=5.0)
+    client = await BusClient.connect(url, timeout_s=5.0)
     try:
         return {v.id: (v.state, v.version) for v in await client.status() if v.id in ids}
     finally:

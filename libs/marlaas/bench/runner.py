@@ -28,7 +28,7 @@ import msgspec
 from marlaas.bench.metrics import run_metrics, timeline
 from marlaas.bench.workload import BASELINE_LOOP, MODES, WORKLOAD_DIR, Workload
 from marlaas.platform.bus import Bus
-from marlaas.platform.nats_client import Client
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.config import load_config
 from marlaas.stack.launcher import Stack
 from marlaas.platform.telemetry import read_spans
@@ -99,7 +99,7 @@ class ResourceSampler:
 
 async def run_jobs(url: str, submissions: list[dict], label: str, progress: Progress | None,
                     timeout_s: float) -> tuple[list[dict], float, float]:
-    client = await Client.connect(url)
+    client = await BusClient.connect(url)
     try:
         started = time.time()
         ids = list(await asyncio.gather(*(client.submit(s) for s in submissions)))

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from marlaas.platform.nats_client import Client
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.config import load_config
 from marlaas.stack.launcher import Stack
 
@@ -78,7 +78,7 @@ def plot_rewards(views, path: Path) -> Path:
 
 
 async def run_jobs(url: str, steps: int, console: Console):
-    client = await Client.connect(url)
+    client = await BusClient.connect(url)
     try:
         started = time.time()
         ids = await asyncio.gather(*(client.submit({**job, "steps": steps}) for job in DEMO_JOBS))

@@ -1,5 +1,6 @@
-"""The Python SDK: submit, watch and cancel jobs through the manager's NATS API, follow a job's
-events, and pull its adapters."""
+"""The platform's own client on the bus (``BusClient``): submit, watch and cancel jobs through
+the manager's NATS API, follow a job's events, and pull adapters, with the services' credentials.
+For benchmarks, the demo, tests and operator scripts; tenants use ``marlaas.Client`` (HTTP)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ class AdapterGone(ApiError):
     """The asked-for version's adapter was garbage-collected."""
 
 
-class Client:
-    """A user's handle on a running marlaas."""
+class BusClient:
+    """The operator's handle on a running marlaas, over NATS (not the tenants' SDK)."""
 
     def __init__(self, bus: Bus, tenant: str = "", store_url: str = "") -> None:
         self.bus = bus
@@ -38,7 +39,7 @@ class Client:
 
     @classmethod
     async def connect(cls, nats_url: str, tenant: str = "", timeout_s: float = 10.0,
-                      store_url: str = "") -> Client:
+                      store_url: str = "") -> BusClient:
         """Connect to the broker; ``store_url`` (the stack's object store) is needed only to pull adapters."""
         return cls(await Bus.connect(nats_url, name="marlaas-client", timeout_s=timeout_s), tenant, store_url)
 
@@ -85,7 +86,7 @@ class Client:
     async def pull_adapter(self, event: PolicyCommitted, dest: str | Path) -> Path:
         """Copy a committed version's adapter (a PEFT directory) to ``dest``, its sha256 verified."""
         if not self.store_url:
-            raise ApiError("pulling adapters needs the stack's object store: Client.connect(..., store_url=...)")
+            raise ApiError("pulling adapters needs the stack's object store: BusClient.connect(..., store_url=...)")
         from marlaas.platform.adapters import materialize
         from marlaas.platform.store import ObjectNotFound, open_store
 
