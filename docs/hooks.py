@@ -5,6 +5,7 @@ drift. A page asks for one with a marker line:
     <!-- reference: job -->      every field of a job file (marlaas.platform.api.SubmitRequest)
     <!-- reference: http -->     every endpoint of the tenants' API, from the gateway's OpenAPI schema
     <!-- reference: sdk -->      marlaas.Client's methods, from their signatures and docstrings
+    <!-- reference: tools -->    what a tool file uses: marlaas.tools' tool, reward, serve, ToolError
 
 For the structs, each row is a field: its name, type, default, and the comment beside it (or
 the comment block just above it) in the source.
@@ -112,17 +113,32 @@ def sdk_reference() -> str:
     return "\n".join(parts) + "\n"
 
 
+def tools_reference() -> str:
+    """What a tenant's tool file uses, each with its signature and whole docstring."""
+    from marlaas import tools
+
+    parts = []
+    for name in ("tool", "reward", "serve", "serve_async", "ToolError"):
+        member = getattr(tools, name)
+        head = f"class {name}" if inspect.isclass(member) else f"{name}{inspect.signature(member)}"
+        doc = inspect.getdoc(member) or ""
+        parts.append(f"### `{head}`\n\n{doc}\n")
+    return "\n".join(parts)
+
+
 def reference(name: str) -> str:
     if name == "http":
         return http_reference()
     if name == "sdk":
         return sdk_reference()
+    if name == "tools":
+        return tools_reference()
     if name == "config":
         from marlaas.platform.config import Config as root
     elif name == "job":
         from marlaas.platform.api import SubmitRequest as root
     else:
-        raise ValueError(f"unknown reference {name!r}: config, job, http or sdk")
+        raise ValueError(f"unknown reference {name!r}: config, job, http, sdk or tools")
     return "\n".join(["| field | type | default | what it is |", "|---|---|---|---|", *table(root)]) + "\n"
 
 

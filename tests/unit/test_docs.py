@@ -38,3 +38,5 @@ def test_the_site_builds_strictly_with_the_generated_references(tmp_path):
     assert "grpo.learning_rate" in job_page and "eval_every" in job_page
     assert "/v1/jobs/{job}/versions/{version}/pin" in job_page and "Upload a data file" in job_page
     assert "Client.submit(" in job_page and "Client.from_env(" in job_page
+    tools_page = (tmp_path / "agentic" / "index.html").read_text()
+    assert "serve_async(" in tools_page and "The contract" in tools_page  # the reward's, from its docstring
