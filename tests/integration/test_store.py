@@ -289,3 +289,17 @@ def test_a_file_store_listing_survives_folders_deleted_while_it_walks(tmp_path):
         stop.set()
         thread.join()
     assert errors == []
+
+
+def test_an_s3_store_that_never_answers_is_a_clear_error_after_its_wait():
+    """A service waits for S3 on its first connect (a deployment may start it first), then says
+    which endpoint did not answer."""
+    import socket
+
+    from marlaas.platform.store import S3Store
+
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{probe.getsockname()[1]}"
+    with pytest.raises(ConnectionError, match=f"object store at {endpoint} did not answer within 1 s"):
+        S3Store("marlaas", endpoint=endpoint, access_key="a", secret_key="b", connect_wait_s=1)

@@ -288,11 +288,17 @@ class S3Store(ObjectStore):
         replica that gave up at once was never restarted)."""
         from urllib3.exceptions import HTTPError
 
-        deadline = time.monotonic() + wait_s
+        import structlog
+
+        deadline, told = time.monotonic() + wait_s, False
         while True:
             try:
                 return self.client.bucket_exists(self.bucket)
             except (HTTPError, OSError) as exc:
+                if not told:  # once: a misconfigured endpoint shows in the log at once, not in 120 s
+                    structlog.get_logger("store").warning("object store not answering yet; waiting",
+                                                          endpoint=self.endpoint, wait_s=wait_s, error=str(exc))
+                    told = True
                 if time.monotonic() >= deadline:
                     raise ConnectionError(f"the object store at {self.endpoint} did not answer "
                                           f"within {wait_s:.0f} s: {exc}") from exc
