@@ -50,7 +50,7 @@ def _launcher_pid(config) -> int | None:
     from marlaas.sdk import discovery
 
     state = discovery.read_state(config.home_dir / "run")
-    return state.pid if state is not None and discovery._alive(state.pid) else None
+    return state.pid if state is not None and discovery.alive(state.pid) else None
 
 
 def _up_detached(args, config) -> int:
@@ -108,9 +108,11 @@ def cmd_down(args, config) -> int:
         else:
             print(message)
         return 0
+    from marlaas.sdk import discovery
+
     os.kill(pid, signal.SIGTERM)  # the launcher drains and stops every service, as on Ctrl-C
     deadline = time.monotonic() + DOWN_WAIT_S
-    while _launcher_pid(config) == pid or _pid_alive(pid):
+    while discovery.alive(pid):
         if time.monotonic() > deadline:
             return _fail(f"the stack (pid {pid}) did not stop within {DOWN_WAIT_S:.0f} s: see "
                          f"{config.home_dir / 'logs'}; `kill -9 {pid}` ends it and its services", args.json)
@@ -120,14 +122,6 @@ def cmd_down(args, config) -> int:
     else:
         print(f"stopped the stack (pid {pid}) under {config.home_dir}")
     return 0
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is not running
-    except FileNotFoundError:
-        return False
 
 
 def cmd_info(args, config) -> int:

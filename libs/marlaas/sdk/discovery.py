@@ -58,14 +58,19 @@ def read_state(run_dir: Path) -> StackState | None:
         return None
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process: it exists
-        return True
-    return True
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:  # gone since kill(0)
+        return False
 
 
 def wait_until_ready(run_dir: Path, wait_s: float = STARTUP_WAIT_S, appear_s: float = APPEAR_S,
@@ -80,9 +85,9 @@ def wait_until_ready(run_dir: Path, wait_s: float = STARTUP_WAIT_S, appear_s: fl
         waited = time.monotonic() - start
         if state is None and (run_dir / "gateway.url").exists():
             return  # a stack written before the state file existed, or a gateway run by hand
-        if state is not None and state.state == READY and _alive(state.pid):
+        if state is not None and state.state == READY and alive(state.pid):
             return
-        if state is not None and not _alive(state.pid):
+        if state is not None and not alive(state.pid):
             raise StackNotReady(f"the `marlaas up` under {run_dir.parent} (pid {state.pid}) exited without "
                                 f"stopping cleanly: see {run_dir.parent / 'logs'}, then start it again")
         if state is None and waited >= min(appear_s, wait_s):
