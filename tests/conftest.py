@@ -14,7 +14,7 @@ from marlaas.platform.store import FileStore
 
 # what the suite starts: services, brokers, vLLM engine cores and servers, users' tool processes
 OURS = ("-m services.", "nats-server", "EngineCore", "vllm.entrypoints", "tools/acme_calculator.py",
-        "tools/made_up_tools.py", "tenant_tools.py", "weed server")
+        "made_up_tools.py", "tenant_tools.py", "weed server")
 
 
 def started_by_the_suite(since: float) -> list:

@@ -1,6 +1,7 @@
 """An ``agent`` job on the chat base learns to use a tool it has never seen (issue 25's "done when").
 
-A tenant's process serves two made-up tools (``tools/made_up_tools.py``: names, keywords and
+A tenant's process serves two made-up tools (``examples/made_up_tools.py``, which ``make demo``
+runs too: names, keywords and
 arguments from the pretraining's held-out words, so the base knows them only by the schema
 its chat template shows it). The job's dataset (an uploaded file) asks for a city's
 "mutrol", which only ``get_mutrol`` answers; the reward is the built-in ``contains`` matcher.
@@ -24,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from marlaas.basemodel import chat_model_dir
-from marlaas.basemodel.pretrain_chat import SEED as PRETRAIN_SEED
+from marlaas.basemodel import builtin_model_dir
+from marlaas.basemodel.pretrain import SEED as PRETRAIN_SEED
 from marlaas.basemodel.synthetic import Corpus, split_of
 from marlaas.platform.audit import audit_training
 from marlaas.platform.bus import Bus
@@ -39,8 +40,8 @@ from marlaas.tools.registry import read_tool
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 
-TOOLS_DIR = Path(__file__).parent / "tools"
-_spec = importlib.util.spec_from_file_location("made_up_tools", TOOLS_DIR / "made_up_tools.py")
+TOOLS_FILE = Path(__file__).resolve().parents[2] / "examples" / "made_up_tools.py"
+_spec = importlib.util.spec_from_file_location("made_up_tools", TOOLS_FILE)
 made_up_tools = importlib.util.module_from_spec(_spec)  # the tool process's own module: its table is the data
 _spec.loader.exec_module(made_up_tools)
 
@@ -65,7 +66,7 @@ def test_the_tools_are_unknown_to_the_pretraining_data():
 @pytest.mark.timeout(900)
 def test_an_agent_job_learns_to_call_a_tool_it_has_never_seen(tmp_path):
     config = load_config(overrides={"home": str(tmp_path / "home"), "gateway.port": 0,
-                                    "base_model": str(chat_model_dir()), "rollout.prompt_format": "chat",
+                                    "base_model": str(builtin_model_dir()), "rollout.prompt_format": "chat",
                                     "rollout.block_size": 32}, env={})
     calls_log = tmp_path / "calls.log"
     calls_log.touch()
@@ -90,7 +91,7 @@ def test_an_agent_job_learns_to_call_a_tool_it_has_never_seen(tmp_path):
 
     started = time.time()
     with Stack(config) as stack:
-        tools = subprocess.Popen([sys.executable, str(TOOLS_DIR / "made_up_tools.py"), str(calls_log)],
+        tools = subprocess.Popen([sys.executable, str(TOOLS_FILE), str(calls_log)],
                                  env={"MARLAAS_NATS_URL": stack.nats_url, "PATH": "/usr/bin:/bin"})
         try:
             trained_from = time.time()

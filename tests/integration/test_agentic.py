@@ -1,5 +1,12 @@
 """Agentic jobs on the embedded stack: the built-in tool-using task learns next to a single-turn
-job, multi-turn re-entry hits vLLM's prefix cache, and a tenant's own tool process serves a job."""
+job, multi-turn re-entry hits vLLM's prefix cache, and a tenant's own tool process serves a job.
+
+This module runs the **bare** rendering (``rollout.prompt_format = "bare"``) on the
+character-level base (``base_model = "builtin:char"``), the setting kept for models without a
+chat template: that base calls the calculator in about a third of its episodes, so
+``multiply`` has something to learn (the default chat base solves it already). The chat
+template path learns a tool of its own in ``test_agent_learns_new_tool.py``.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +38,8 @@ TOOL_SCRIPT = Path(__file__).parent / "tools" / "acme_calculator.py"
 def stack(tmp_path_factory):
     # 32-token KV blocks: only full blocks are prefix-cached, and these episodes are ~100 tokens
     config = load_config(overrides={"home": str(tmp_path_factory.mktemp("agentic-home")), "gateway.port": 0,
-                                    "rollout.block_size": 32, "rollout.tool_timeout_s": 1.5}, env={})
+                                    "rollout.block_size": 32, "rollout.tool_timeout_s": 1.5,
+                                    "base_model": "builtin:char", "rollout.prompt_format": "bare"}, env={})
     with Stack(config) as running:
         yield running
 

@@ -5,7 +5,7 @@ from functools import cache
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from marlaas.basemodel import builtin_model_dir
+from marlaas.basemodel import char_model_dir
 from marlaas.tasks import get_task
 
 TOY_TASKS = ("addition", "reverse", "repeat")
@@ -13,12 +13,12 @@ TOY_TASKS = ("addition", "reverse", "repeat")
 
 @cache
 def _tokenizer():
-    return AutoTokenizer.from_pretrained(builtin_model_dir())
+    return AutoTokenizer.from_pretrained(char_model_dir())
 
 
 @cache
 def _model():
-    return AutoModelForCausalLM.from_pretrained(builtin_model_dir(), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(char_model_dir(), dtype=torch.float32).eval()
 
 
 def _reward(name: str, sample: bool, n: int = 40) -> float:
@@ -42,7 +42,7 @@ def _reward(name: str, sample: bool, n: int = 40) -> float:
 
 
 def test_model_dir_holds_a_small_float32_qwen3():
-    root = builtin_model_dir()
+    root = char_model_dir()
     assert (root / "model.safetensors").stat().st_size < 8_000_000
     model, tok = _model(), _tokenizer()
     cfg = model.config
@@ -81,17 +81,17 @@ def test_missing_model_dir_says_how_to_build_it(tmp_path, monkeypatch):
 
     monkeypatch.setattr(basemodel, "_TINY", tmp_path / "tiny")
     try:
-        basemodel.builtin_model_dir()
+        basemodel.char_model_dir()
     except FileNotFoundError as err:
-        assert "marlaas.basemodel.pretrain" in str(err)
+        assert "marlaas.basemodel.pretrain_char" in str(err)
     else:
-        raise AssertionError("builtin_model_dir() did not notice the missing model")
+        raise AssertionError("char_model_dir() did not notice the missing model")
 
 
 def test_model_half_knows_the_tool_call_format():
     """On the agentic task the base writes a well-formed calculator call on a minority of samples
     (RL's room: call it always) and guesses the rest; one tool round is run as pretraining did."""
-    from marlaas.basemodel.pretrain import evaluate
+    from marlaas.basemodel.pretrain_char import evaluate
 
     model = _model()
     problems = get_task("multiply").problems(60, seed=2024)

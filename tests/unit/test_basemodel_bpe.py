@@ -7,7 +7,7 @@ from functools import cache
 
 from transformers import AutoConfig, AutoTokenizer
 
-from marlaas.basemodel import chat_model_dir
+from marlaas.basemodel import builtin_model_dir
 from marlaas.basemodel.chat_tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, TAG_TOKENS, train_tokenizer
 from marlaas.basemodel.synthetic import (
     CALCULATOR, Corpus, fingerprint, heldout_episodes, heldout_tools, make_tools, split_of,
@@ -21,7 +21,7 @@ TOOL = {"type": "function", "function": {
 
 @cache
 def _tokenizer():
-    return AutoTokenizer.from_pretrained(chat_model_dir())
+    return AutoTokenizer.from_pretrained(builtin_model_dir())
 
 
 def test_special_tokens_and_tags_are_single_ids_and_tags_survive_skip_special():
@@ -43,11 +43,11 @@ def test_bytes_round_trip_with_no_unknown_token():
 
 
 def test_vocab_matches_the_model_and_the_weights_are_small():
-    tok, config = _tokenizer(), AutoConfig.from_pretrained(chat_model_dir())
+    tok, config = _tokenizer(), AutoConfig.from_pretrained(builtin_model_dir())
     assert config.model_type == "qwen3" and config.tie_word_embeddings and config.head_dim == 32
     assert config.vocab_size == len(tok) and config.vocab_size % 64 == 0
     assert config.eos_token_id == tok.eos_token_id and config.pad_token_id == tok.pad_token_id
-    assert (chat_model_dir() / "model.safetensors").stat().st_size < 50_000_000
+    assert (builtin_model_dir() / "model.safetensors").stat().st_size < 50_000_000
 
 
 def test_chat_template_renders_tools_calls_and_responses_in_the_hermes_shape():
@@ -107,7 +107,7 @@ def test_generator_is_deterministic_and_held_out_tools_use_held_out_words_only()
 
 
 def test_training_labels_are_the_assistant_turns_only():
-    from marlaas.basemodel.pretrain_chat import encode_episode
+    from marlaas.basemodel.pretrain import encode_episode
 
     tok = _tokenizer()
     for episode in Corpus(0, n_tools=50).episodes(30):
@@ -131,7 +131,7 @@ def test_tokenizer_training_is_deterministic():
 
 
 def test_shipped_weights_match_the_report():
-    root = chat_model_dir()
+    root = builtin_model_dir()
     report = json.loads((root / "pretrain_report.json").read_text())
     assert hashlib.sha256((root / "model.safetensors").read_bytes()).hexdigest() == report["sha256"]["model.safetensors"]
     held = report["eval"]["heldout_tools"]

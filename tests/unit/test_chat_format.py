@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from marlaas.basemodel import builtin_model_dir, chat_model_dir
+from marlaas.basemodel import builtin_model_dir, char_model_dir
 from marlaas.platform.events import ToolSpec
 from marlaas.tasks.matchers import contains
 from marlaas.tools.protocol import final_answer
@@ -20,7 +20,7 @@ LOOKUP = ToolSpec(name="lookup_capital", namespace="acme", description="Look up 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(chat_model_dir())
+    return AutoTokenizer.from_pretrained(builtin_model_dir())
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_the_prompt_format_setting_picks_the_rendering(tokenizer):
     assert not bare.chat and bare.obs_head == "<tool_response>"
     assert tokenizer.decode(bare.prompt_ids("Capital of Peru?", [LOOKUP], system="Be brief.")) == (
         "Be brief.\nCapital of Peru?")
-    char = AutoTokenizer.from_pretrained(builtin_model_dir())
+    char = AutoTokenizer.from_pretrained(char_model_dir())
     assert not ConversationFormat(char).chat
     with pytest.raises(ValueError, match="rollout.prompt_format = 'chat' but the base model has no chat template"):
         ConversationFormat(char, "chat")

@@ -171,3 +171,14 @@ def test_every_documented_default_is_the_default():
             assert str(actual) == documented, f"docs/configuration.md says {field} defaults to {written}, it is {actual!r}"
         checked += 1
     assert checked >= 20, documented_defaults()
+
+
+def test_the_default_base_is_the_chat_model_and_the_character_level_one_is_named():
+    from marlaas.basemodel import builtin_model_dir, char_model_dir
+
+    assert Config().base_model_dir == builtin_model_dir()
+    assert (Config().base_model_dir / "chat_template.jinja").is_file()
+    assert Config(base_model="builtin:chat").base_model_dir == builtin_model_dir()
+    assert Config(base_model="builtin:char").base_model_dir == char_model_dir()
+    with pytest.raises(ConfigError, match=r"'builtin:tiny' is not a built-in model; use one of builtin:chat, builtin:char"):
+        Config(base_model="builtin:tiny").base_model_dir

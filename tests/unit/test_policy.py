@@ -296,7 +296,7 @@ def test_micro_batched_loss_and_gradients_equal_the_whole_batch(perturbed, tempe
         got = trainer.accumulate_gradients(job, data, settings)
     finally:
         trainer.split_head = True
-    assert abs(got["loss"] - expected.item()) < 1e-5
+    assert abs(got["loss"] - expected.item()) < 1e-5 * max(1.0, abs(expected.item()))  # float32 sums, as below
     assert got["tokens"] == sum(sum(s.loss_mask) for s in data.samples)
     assert 0 < got["clip_fraction"] < 1 and (got["kl"] > 0) == (kl_coef > 0)
     worst = max((p.grad - g).abs().max().item() for p, g in zip(params, expected_grads))
@@ -348,7 +348,7 @@ def test_a_group_of_equal_rewards_is_not_run_and_the_gradients_are_unchanged(per
     assert sorted(run) == [0, 0, 0, 0]  # only the group with a signal went through the model
     assert got["tokens"] == sum(sum(s.loss_mask) for s in samples)
     assert got["tokens_scored"] == sum(sum(s.loss_mask) for s in samples if s.group == 0)
-    assert abs(got["loss"] - expected.item()) < 1e-5
+    assert abs(got["loss"] - expected.item()) < 1e-5 * max(1.0, abs(expected.item()))  # float32 sums, as below
     worst = max((p.grad - g).abs().max().item() for p, g in zip(params, expected_grads))
     scale = max(g.abs().max().item() for g in expected_grads)
     assert scale > 1e-3 and worst < 1e-5 * scale

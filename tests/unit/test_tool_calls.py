@@ -11,7 +11,7 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from marlaas.basemodel import builtin_model_dir
+from marlaas.basemodel import builtin_model_dir, char_model_dir
 from marlaas.tools.protocol import (
     CHARS_PER_TOKEN, MAX_CALL_CHARS, MAX_CALL_DEPTH, CallError, ParsedCall, parse_call, render_call,
 )
@@ -21,9 +21,11 @@ from services.rollout.episode import Episode, settle_truncated, to_score
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
-@pytest.fixture(scope="module")
-def fmt():
-    return ConversationFormat(AutoTokenizer.from_pretrained(builtin_model_dir()))
+@pytest.fixture(scope="module", params=["chat", "bare"])
+def fmt(request):
+    """Both renderings: the default chat base with its template, the character-level base bare."""
+    model = builtin_model_dir() if request.param == "chat" else char_model_dir()
+    return ConversationFormat(AutoTokenizer.from_pretrained(model), request.param)
 
 
 def call_text(body: str) -> str:
@@ -128,16 +130,17 @@ def test_a_huge_result_is_cut_by_characters_before_it_is_tokenized(fmt):
     ids = fmt.observation_ids(huge, max_tokens=64)
     elapsed = time.perf_counter() - started
     text = fmt.tokenizer.decode(ids)
-    assert text.endswith("...[truncated]</tool_response>") and len(ids) <= 64 + 2 * len("</tool_response>")
+    assert text.endswith("...[truncated]" + fmt.obs_tail)
+    assert len(ids) <= 64 + len(fmt.observation_ids("", max_tokens=64))
     assert elapsed < 0.05, f"cutting an 8 MB result took {elapsed:.3f}s: it was tokenized whole"
 
 
 def test_a_result_cut_by_characters_is_marked_even_when_its_tokens_fit(fmt):
     # 16 characters per token is an upper bound: a result of many-character tokens may fit in tokens
     ids = fmt.observation_ids("9" * (64 * CHARS_PER_TOKEN + 1), max_tokens=64)
-    assert fmt.tokenizer.decode(ids).endswith("...[truncated]</tool_response>")
+    assert fmt.tokenizer.decode(ids).endswith("...[truncated]" + fmt.obs_tail)
     short = fmt.tokenizer.decode(fmt.observation_ids("9" * 10, max_tokens=64))
-    assert short == "<tool_response>9999999999</tool_response>"
+    assert short == fmt.obs_head + "9999999999" + fmt.obs_tail
 
 
 # --- truncated episodes: grpo.truncated ------------------------------------------------------

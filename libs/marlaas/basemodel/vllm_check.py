@@ -87,11 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from marlaas.basemodel import chat_model_dir
+    from marlaas.basemodel import builtin_model_dir
     from marlaas.basemodel.chat_eval import prompt_ids
     from marlaas.basemodel.synthetic import heldout_episodes
 
-    model_dir = (args.model_dir or chat_model_dir()).resolve()
+    model_dir = (args.model_dir or builtin_model_dir()).resolve()
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [prompt_ids(tok, e) for e in heldout_episodes(args.episodes, seed=7)]
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,35 +1,65 @@
-"""``make demo``: the embedded stack, four built-in jobs at once, live progress, a summary.
+"""``make demo``: the embedded stack, four jobs at once, live progress, a summary.
 
-Starts nats-server and the services under a fresh ``.marlaas/demo`` home, submits
-``addition``, ``reverse``, ``repeat`` and the agentic ``multiply`` (which calls the
-calculator tool; 40 versions each) at the same moment, shows their progress live, then
-prints reward over the first and last five versions, the agent's share of episodes with a
-successful tool call, and the time per step, and saves a reward-curve plot next to the logs.
+Starts nats-server and the services under a fresh ``.marlaas/demo`` home on the built-in chat
+base, and a tenant's own tool process (``examples/made_up_tools.py``: two tools whose names
+and words the base never saw in pretraining). Submits three built-in jobs (``addition``,
+``reverse``, ``repeat``) and an ``agent`` job whose questions only one of the two tools
+answers (40 versions each) at the same moment, shows their progress live, then prints reward
+over the first and last five versions, the agent's share of episodes with a successful tool
+call and its calls per tool, and the time per step, and saves a reward-curve plot next to the logs.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import importlib.util
+import json
 import shutil
+import signal
 import statistics
+import subprocess
+import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from marlaas.platform.nats_client import BusClient
 from marlaas.platform.config import load_config
+from marlaas.platform.files import put_file
+from marlaas.platform.nats_client import BusClient
+from marlaas.platform.processes import spawn
+from marlaas.platform.store import open_store
 from marlaas.stack.launcher import Stack
+from marlaas.tools.registry import read_tool
 
 DEMO_JOBS = [
     {"name": "add", "task": "addition", "seed": 1},
     {"name": "rev", "task": "reverse", "seed": 2},
     {"name": "dup", "task": "repeat", "seed": 3},
-    {"name": "agent", "task": "multiply", "seed": 4},
 ]
+# the tenant's own tools, in their own process; the agent job's questions need get_mutrol
+TOOLS_FILE = Path(__file__).resolve().parents[3] / "examples" / "made_up_tools.py"
+AGENT_TOOLS = ["acme.get_mutrol", "acme.tashom_lookup"]
+AGENT_JOB = {"name": "agent", "task": "agent", "tenant": "acme", "seed": 4, "tools": AGENT_TOOLS,
+             "reward": "contains", "system": "Use the tools when they help.",
+             "grpo": {"max_new_tokens": 40, "prompts_per_step": 4}}
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def made_up_tools():
+    """``examples/made_up_tools.py`` as a module: its dataset rows are the agent job's data."""
+    spec = importlib.util.spec_from_file_location("made_up_tools", TOOLS_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tool_success(view, first: bool) -> str:
@@ -77,11 +107,19 @@ def plot_rewards(views, path: Path) -> Path:
     return path
 
 
-async def run_jobs(url: str, steps: int, console: Console):
-    client = await BusClient.connect(url)
+async def run_jobs(stack: Stack, steps: int, console: Console):
+    client = await BusClient.connect(stack.nats_url)
     try:
+        deadline = time.monotonic() + 60
+        while any([await read_tool(client.bus, name) is None for name in AGENT_TOOLS]):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the tool process never announced {AGENT_TOOLS}: see its output above")
+            await asyncio.sleep(0.2)
+        rows = "".join(json.dumps(row) + "\n" for row in made_up_tools().dataset_rows()).encode()
+        dataset = put_file(open_store(stack.resolved.store_url), "acme", rows, "mutrol.jsonl").id
+        jobs = [*DEMO_JOBS, {**AGENT_JOB, "dataset": dataset}]
         started = time.time()
-        ids = await asyncio.gather(*(client.submit({**job, "steps": steps}) for job in DEMO_JOBS))
+        ids = await asyncio.gather(*(client.submit({**job, "steps": steps}) for job in jobs))
         with Live(console=console, refresh_per_second=2) as live:
             views = await client.wait(list(ids), timeout_s=3600,
                                       on_update=lambda vs: live.update(progress_table(vs, started)))
@@ -95,19 +133,35 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--home", default=".marlaas/demo")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the demo like Ctrl-C: the stack goes down too
     console = Console(width=140)
     home = Path(args.home).resolve()
     shutil.rmtree(home, ignore_errors=True)
     # 32-token KV blocks: the agent's short episodes re-enter the engine from the prefix cache
     config = load_config(overrides={"home": str(home), "rollout.block_size": 32})
+    calls_log = home / "tool_calls.log"
     with console.status("starting the embedded stack (nats-server, manager, env, trainer, vLLM rollout)..."):
         stack = Stack(config).start()
+    tools = None
     try:
-        views, elapsed = asyncio.run(run_jobs(stack.nats_url, args.steps, console))
+        calls_log.touch()
+        tools = spawn([sys.executable, str(TOOLS_FILE), str(calls_log)],  # dies with the demo, even killed
+                      env={"MARLAAS_NATS_URL": stack.nats_url, "PATH": "/usr/bin:/bin"})
+        views, elapsed = asyncio.run(run_jobs(stack, args.steps, console))
     finally:
+        if tools is not None:
+            tools.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                tools.wait(timeout=30)
+            if tools.poll() is None:
+                tools.kill()
+                tools.wait()
         stack.stop()
     console.print()
     console.print(summary_table(views))
+    calls = Counter(calls_log.read_text().split())
+    console.print(f"the agent's calls by tool (the tenant's process): {dict(calls)}; "
+                  "its questions need get_mutrol, which the base never saw")
     plot = plot_rewards(views, home / "rewards.png")
     steps = sum(v.steps for v in views)
     console.print(f"{steps} steps in {elapsed:.0f}s ({steps / elapsed * 3600:.0f} steps/hour); "

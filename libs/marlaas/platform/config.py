@@ -36,7 +36,7 @@ class RolloutConfig(Section):
     # (tools listed by it, each observation in its tool turn; an error for a model without one),
     # "bare" as plain text and bare <tool_call> / <tool_response> tags (models without a template),
     # "auto" the template when the model has one, else bare
-    prompt_format: Literal["auto", "chat", "bare"] = "auto"
+    prompt_format: Literal["auto", "chat", "bare"] = "chat"
     # sequences in one engine step (0 = vLLM's default, 128): enough for every concurrent job's
     # episodes, since on a small model a step's fixed cost is most of it (benchmarks/engine_lora.py)
     max_num_seqs: Annotated[int, msgspec.Meta(ge=0)] = 1024
@@ -178,7 +178,9 @@ class Config(Section):
     # cluster (`marlaas up --nats-cluster 3` sets it), 1 on a single server
     nats_replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
     store_url: str = ""  # "" = file://<home>/store
-    base_model: str = ""  # "" = the built-in tiny model; else a local HF model directory
+    # "" = the built-in chat base (libs/marlaas/basemodel/chat); "builtin:char" = the character-level
+    # one (with rollout.prompt_format = "bare"); else a local Hugging Face model directory
+    base_model: str = ""
     log_format: Literal["console", "json"] = "console"
     log_level: str = "info"
     # JetStream drops a repeated Nats-Msg-Id within this window; exactly-once does not rest on
@@ -207,6 +209,13 @@ class Config(Section):
 
     @property
     def base_model_dir(self) -> Path:
+        from marlaas.basemodel import BUILTIN, builtin_model_dir, char_model_dir
+
+        if self.base_model in BUILTIN:
+            return char_model_dir() if BUILTIN[self.base_model] == "char" else builtin_model_dir()
+        if self.base_model.startswith("builtin:"):
+            raise ConfigError(f"base_model: {self.base_model!r} is not a built-in model; "
+                              f"use one of {', '.join(BUILTIN)}, \"\" (the chat base) or a local directory")
         if self.base_model:
             path = Path(self.base_model).expanduser()
             if not (path / "config.json").is_file():
@@ -215,8 +224,6 @@ class Config(Section):
                     "give a local directory saved with save_pretrained"
                 )
             return path.resolve()
-        from marlaas.basemodel import builtin_model_dir
-
         return builtin_model_dir()
 
 
