@@ -1,4 +1,5 @@
-"""What the gateway reads straight from JetStream (read-only): job records, committed versions.
+"""What the gateway reads straight from JetStream (read-only): job records, committed versions,
+a job's timeline of phases.
 
 The manager stays the only writer. Lists are read in one pass through a short-lived
 pull consumer rather than one KV get per key: a tenant's records are the ``jobs``
@@ -21,8 +22,11 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from marlaas.platform.bus import JOBS_BUCKET, Bus
-from marlaas.platform.events import JOB_RECORD, POLICY, EventDecodeError, JobRecord, JobState, PolicyCommitted
-from marlaas.platform.http_api import EvalInfo, JobInfo, VersionInfo
+from marlaas.platform.events import (
+    JOB_RECORD, METRIC, POLICY, EventDecodeError, JobRecord, JobState, PolicyCommitted,
+)
+from marlaas.platform.http_api import EvalInfo, JobInfo, PhaseSpan, VersionInfo
+from marlaas.platform.telemetry import span_subject
 
 log = structlog.get_logger("gateway")
 
@@ -168,6 +172,17 @@ def version_info(event: PolicyCommitted, pinned: list[int]) -> VersionInfo:
     return VersionInfo(version=event.version, committed_at=event.committed_at, metrics=event.metrics,
                        pinned=event.version in pinned, adapter_sha256=event.adapter.sha256,
                        adapter_bytes=event.adapter.size)
+
+
+TIMELINE_PHASES = ("generate", "reward", "train", "commit", "eval")
+
+
+async def job_timeline(bus: Bus, job: str) -> list[PhaseSpan]:
+    """The job's recorded phases, oldest first: what its spans say, without their attributes
+    (which replica's pid, batch ids: the platform's, not the tenant's)."""
+    spans = [METRIC.decode(msg.data) for msg in await read_messages(bus, "METRICS", span_subject(job))]
+    return sorted((PhaseSpan(version=s.version, phase=s.phase, service=s.service, start=s.start, end=s.end)
+                   for s in spans if s.phase in TIMELINE_PHASES and s.job == job), key=lambda s: (s.start, s.end))
 
 
 async def last_sequence(bus: Bus, stream: str, subject: str) -> int:

@@ -14,13 +14,13 @@ from litestar.response import Stream
 from marlaas.platform import api
 from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE, read_adapter
 from marlaas.platform.events import PolicyCommitted
-from marlaas.platform.http_api import Cancelled, Deleted, JobInfo, Pinned, Submitted, VersionInfo
+from marlaas.platform.http_api import Cancelled, Deleted, JobInfo, PhaseSpan, Pinned, Submitted, VersionInfo
 from marlaas.platform.store import ObjectNotFound
 from marlaas.platform.tenants import TenantRecord
 from services.gateway.app import ApiError, gateway_of, not_found
 from services.gateway.event_stream import BadEventId, job_events, parse_event_id
 from services.gateway.reads import (
-    committed_versions, job_info, job_record, tenant_records, version_info,
+    committed_versions, job_info, job_record, job_timeline, tenant_records, version_info,
 )
 from services.gateway.submission import SubmissionRefused, check_submission, parse_body
 
@@ -113,6 +113,15 @@ async def list_versions(request: Request, tenant: TenantRecord, job: str) -> lis
     return [version_info(e, record.pinned) for e in await committed_versions(gateway_of(request).bus, job)]
 
 
+@get("/jobs/{job:str}/timeline", summary="When each version's phases ran: generate, reward, train, commit",
+     description="Every recorded phase of the job, oldest first (unix seconds; eval for evaluations). "
+                 "A version is generate and reward in rollout, then train and commit in the trainer; "
+                 "other jobs' phases fill the gaps between them.")
+async def get_timeline(request: Request, tenant: TenantRecord, job: str) -> list[PhaseSpan]:
+    await owned(request, tenant, job)
+    return await job_timeline(gateway_of(request).bus, job)
+
+
 @post("/jobs/{job:str}/versions/{version:str}/pin", status_code=200,
       summary="Pin a committed version: garbage collection keeps its adapter")
 async def pin_version(request: Request, tenant: TenantRecord, job: str, version: str) -> Pinned:
@@ -189,5 +198,5 @@ async def stream_events(request: Request, tenant: TenantRecord, job: str,
                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-JOB_ROUTES = [submit_job, list_jobs, get_job, cancel_job, delete_job, list_versions, pin_version,
+JOB_ROUTES = [submit_job, list_jobs, get_job, cancel_job, delete_job, list_versions, get_timeline, pin_version,
               download_adapter, stream_events]

@@ -101,6 +101,11 @@ async def episode_with(bus, call_text: str, tools=("acme.add", "acme.slow", "acm
     episode = await run_episode(engine, FMT, prompt, tools=box, limits=limits, temperature=1.0, lora=None,
                                 seed=lambda turn: turn)
     observation = TOKENIZER.decode(episode.segments[1].ids)
+    # the chat template's turn switch around the response (<|im_end|>, the user turn, back to the
+    # assistant) is the format's own: what is checked here is the response between them
+    turn_end, turn_start = FMT.obs_head.removesuffix("<tool_response>"), FMT.obs_tail.removeprefix("</tool_response>")
+    assert observation.startswith(turn_end) and observation.endswith(turn_start), observation
+    observation = observation[len(turn_end):len(observation) - len(turn_start)]
     # the episode went on: a second turn, whose request held exactly the ids of everything before it
     assert episode.turns == 2 and episode.end_reason == "answer"
     assert engine.requests[1] == prompt + episode.segments[0].ids + episode.segments[1].ids
@@ -199,5 +204,6 @@ async def test_no_model_output_and_no_tool_output_breaks_an_episode_or_stalls_th
     episode, observation = await episode_with(served, render_call("acme.flood", {}), limits=roomy)
     stop.set()
     await ticking
-    assert observation.endswith("...[truncated]</tool_response>") and len(episode.segments[1].ids) <= 240
+    assert observation.endswith("...[truncated]</tool_response>")
+    assert len(episode.segments[1].ids) <= 200 + len(FMT.observation_ids("", 200))  # the budget and the frame
     assert longest_gap < 0.5, f"the event loop stalled {longest_gap:.2f}s on a 900 kB tool result"

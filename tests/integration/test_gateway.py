@@ -122,7 +122,8 @@ TOML = {"Content-Type": "application/toml"}
 TENANT_ENDPOINTS = [("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/v1/jobs/{job}"),
                     ("POST", "/v1/jobs/{job}/cancel"), ("DELETE", "/v1/jobs/{job}"),
                     ("GET", "/v1/jobs/{job}/versions"), ("POST", "/v1/jobs/{job}/versions/1/pin"),
-                    ("GET", "/v1/jobs/{job}/adapter"), ("GET", "/v1/jobs/{job}/events"),
+                    ("GET", "/v1/jobs/{job}/timeline"), ("GET", "/v1/jobs/{job}/adapter"),
+                    ("GET", "/v1/jobs/{job}/events"),
                     ("POST", "/v1/files"), ("GET", "/v1/files"), ("DELETE", "/v1/files/file-0123")]
 AGENTIC = {"task": "multiply", "steps": 2, "grpo": {"prompts_per_step": 1, "group_size": 2}}  # fits the budget
 BAD_SUBMISSIONS = [  # (body or json, headers, status, what the message must say)
@@ -239,6 +240,15 @@ def test_a_job_end_to_end_events_resume_versions_pin_and_adapter(stack, url, tok
     assert [v.version for v in versions] == [0, 1, 2, 3]
     assert all(v.reward is not None for v in versions[1:]) and versions[0].metrics == {}
     assert [v.committed_at for v in versions] == sorted(v.committed_at for v in versions)
+    timeline = alice.timeline(job)  # each version's phases, in the order the loop runs them
+    for version in range(3):
+        phases = {s.phase: s for s in timeline if s.version == version and s.phase != "commit"}
+        commit = next(s for s in timeline if s.phase == "commit" and s.version == version + 1)
+        assert set(phases) == {"generate", "reward", "train"}, timeline
+        assert phases["generate"].end <= phases["reward"].end <= phases["train"].start <= commit.start
+        assert all(s.start <= s.end for s in (*phases.values(), commit))
+        assert versions[version].committed_at <= phases["generate"].start  # sampled from the committed version
+    assert [s.start for s in timeline] == sorted(s.start for s in timeline)
 
     assert alice.pin(job, 2) == [2] and alice.pin(job, 2) == [2] and alice.pin(job, 0) == [0, 2]
     assert [v.pinned for v in alice.versions(job)] == [True, False, True, False]
@@ -325,7 +335,8 @@ def test_tenants_see_and_touch_only_their_own_jobs(stack, url, tokens, alice, bo
     with http(url, tokens["bob"]) as raw:
         for method, template in [("GET", "/v1/jobs/{}"), ("POST", "/v1/jobs/{}/cancel"), ("DELETE", "/v1/jobs/{}"),
                                  ("GET", "/v1/jobs/{}/versions"), ("POST", "/v1/jobs/{}/versions/1/pin"),
-                                 ("GET", "/v1/jobs/{}/adapter"), ("GET", "/v1/jobs/{}/adapter?version=1"),
+                                 ("GET", "/v1/jobs/{}/timeline"), ("GET", "/v1/jobs/{}/adapter"),
+                                 ("GET", "/v1/jobs/{}/adapter?version=1"),
                                  ("GET", "/v1/jobs/{}/events")]:
             theirs, absent = raw.request(method, template.format(job)), raw.request(method, template.format(missing))
             assert theirs.status_code == absent.status_code == 404, (method, template, theirs.text)

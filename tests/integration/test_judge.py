@@ -1,4 +1,4 @@
-"""The ``judge`` reward against a real ``vllm serve`` of the built-in tiny model, through the env
+"""The ``judge`` reward against a real ``vllm serve`` of the character-level base (`builtin:char`, no chat template), through the env
 service on a real nats-server; and the errors of a judge that is unreachable or silent.
 
 The tiny model's verdicts mean nothing: these tests check the path (subject, HTTP API,
@@ -20,7 +20,7 @@ import httpx
 import msgspec
 import pytest
 
-from marlaas.basemodel import builtin_model_dir
+from marlaas.basemodel import char_model_dir
 from marlaas.platform.config import load_config
 from marlaas.stack.embedded_nats import free_port
 from marlaas.platform.events import REWARD, RewardItem, RewardRequest, RewardResult, encode
@@ -59,7 +59,7 @@ def judge_url(tmp_path_factory):
     process group is stopped at the end."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("judge") / "vllm.log"
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(builtin_model_dir()),
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(char_model_dir()),
                "--dtype", "float32", "--max-model-len", "512", "--port", str(port), "--host", "127.0.0.1",
                "--served-model-name", "tiny", "--enforce-eager", "--max-num-seqs", "8"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CONFIGURE_LOGGING": "1"}

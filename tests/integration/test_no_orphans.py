@@ -68,7 +68,7 @@ def up(tmp_path) -> tuple[subprocess.Popen, list[int]]:
 
 def cli(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "marlaas.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[2])  # the README's cwd
 
 
 def readme_tour() -> list[list[str]]:

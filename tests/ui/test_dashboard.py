@@ -114,6 +114,12 @@ def test_alice_sees_her_job_and_its_curve_and_not_bobs(site, browser, tmp_path):
     assert len(curve.get_attribute("points").split()) == 3  # rewards of versions 0, 1 and 2
     bars = browser.find_elements(By.CSS_SELECTOR, "#chart-timeline rect")
     assert len(bars) == 3  # the seconds between consecutive commits of versions 0..3
+    phases = until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#chart-phases rect"), "no timeline drawn")
+    drawn = sorted((r.get_attribute("class"), r.find_element(By.TAG_NAME, "title").get_attribute("textContent"))
+                   for r in phases)
+    for phase in ("generate", "reward", "train", "commit"):  # three versions, each phase of each
+        assert sum(cls == f"phase-{phase}" for cls, _ in drawn) == 3, drawn
+    assert any(title.startswith("v2 train (trainer)") for _, title in drawn), drawn
     assert not browser.find_element(By.ID, "signin").is_displayed()  # signed in: the form is gone
     assert "not an agentic job" in browser.find_element(By.ID, "chart-tools").text
     png = browser.get_screenshot_as_png()

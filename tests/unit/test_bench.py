@@ -135,7 +135,7 @@ def test_the_report_and_plots_are_written(tmp_path):
 
 
 def test_chaos_spaces_its_kills_by_two_versions_until_the_run_would_end_short_of_them():
-    assert _gap(versions_left=48, kills_left=20) == 2
+    assert _gap(versions_left=52, kills_left=20) == 2
     assert _gap(versions_left=30, kills_left=20) == 1  # a slow start: one version apart
     assert _gap(versions_left=10, kills_left=20) == 0  # the last ones by time alone
 

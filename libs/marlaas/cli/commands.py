@@ -536,7 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", help="a JSONL of passages (tasks that search your documents)")
     p.add_argument("--tool", action="append", metavar="NAME",
                    help="a tool the model may call (repeat it); built-ins bare, yours as TENANT.TOOL")
-    p.add_argument("--reward", help="a reward function to use instead of the task's (TENANT.NAME or judge)")
+    p.add_argument("--reward", help="how answers are scored: a built-in matcher (exact, contains, numeric), "
+                   "judge, or your own function (TENANT.NAME); the agent task needs one")
     p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
                    help="override a setting, e.g. --set grpo.learning_rate=1e-3")
     command("list", cmd_list, "list your jobs")

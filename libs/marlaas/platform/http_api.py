@@ -52,6 +52,18 @@ class JobInfo(msgspec.Struct, kw_only=True, frozen=True):
     warnings: dict[str, str] = {}
 
 
+class PhaseSpan(msgspec.Struct, kw_only=True, frozen=True):
+    """When one phase of one version ran (unix seconds): ``generate`` and ``reward`` in rollout,
+    ``train`` and ``commit`` in the trainer, ``eval`` for an evaluation. ``version`` is the
+    policy the phase worked from (a ``commit`` span carries the version it made)."""
+
+    version: int
+    phase: str
+    service: str
+    start: float
+    end: float
+
+
 class VersionInfo(msgspec.Struct, kw_only=True, frozen=True):
     """A committed policy version: when, the figures of the batch that made it, and its adapter."""
 

@@ -3,9 +3,9 @@
 from marlaas.sdk.http import (
     BadRequest, Client, MarlaasError, NotFound, QuotaExceeded, ServerError, Unauthorized,
 )
-from marlaas.platform.http_api import EvalInfo, Event, JobInfo, VersionInfo
+from marlaas.platform.http_api import EvalInfo, Event, JobInfo, PhaseSpan, VersionInfo
 
 __all__ = [
-    "BadRequest", "Client", "EvalInfo", "Event", "JobInfo", "MarlaasError", "NotFound", "QuotaExceeded",
+    "BadRequest", "Client", "EvalInfo", "Event", "JobInfo", "MarlaasError", "NotFound", "PhaseSpan", "QuotaExceeded",
     "ServerError", "Unauthorized", "VersionInfo",
 ]

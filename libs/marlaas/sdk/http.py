@@ -31,7 +31,7 @@ import msgspec
 
 from marlaas.sdk import discovery
 from marlaas.platform.http_api import (
-    Cancelled, Deleted, Event, FileDeleted, FileInfo, JobInfo, Pinned, Submitted, VersionInfo,
+    Cancelled, Deleted, Event, FileDeleted, FileInfo, JobInfo, PhaseSpan, Pinned, Submitted, VersionInfo,
 )
 from marlaas.platform.http_api import PATH_FIELDS, is_file_id
 
@@ -233,6 +233,10 @@ class Client:
     def versions(self, job: str) -> list[VersionInfo]:
         """The job's committed versions, oldest first."""
         return self._get(f"/v1/jobs/{job}/versions", list[VersionInfo])
+
+    def timeline(self, job: str) -> list[PhaseSpan]:
+        """When each of the job's phases ran (generate, reward, train, commit, eval), oldest first."""
+        return self._get(f"/v1/jobs/{job}/timeline", list[PhaseSpan])
 
     def pin(self, job: str, version: int) -> list[int]:
         """Keep ``version``'s adapter through garbage collection; returns the pinned versions."""

@@ -1,11 +1,12 @@
 """Agentic tasks: the model must call a tool to do well, and RL teaches it to.
 
-``multiply`` asks for the product of two 2-digit numbers, which the tiny base cannot
+``multiply`` asks for the product of two 2-digit numbers, which a tiny model cannot
 compute (it guesses digits: a partial-credit reward of ~0.2). With the ``calculator`` tool
-it only has to copy the expression into a call and the result into its answer. The
-built-in base was pretrained on both: on a minority of problems it calls the calculator
-(in the exact call format), on the rest it guesses, so at temperature 1.0 it calls the
-tool on about a third of the problems and RL has a clear gain to make: call it always.
+it only has to copy the expression into a call and the result into its answer. The default
+chat base was pretrained on it with the calculator's schema and calls it every time; the
+character-level base (``base_model = "builtin:char"``) calls it on about a third of the
+problems at temperature 1.0 and guesses on the rest, so there RL has a clear gain to make:
+call it always.
 """
 
 from __future__ import annotations

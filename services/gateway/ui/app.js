@@ -148,6 +148,8 @@ async function renderDetail(job) {
     const versions = await (await api(`/v1/jobs/${encodeURIComponent(job.id)}/versions`)).json();
     const steps = versions.slice(1).map((v, i) => [v.version, v.committed_at - versions[i].committed_at]);
     bars($("#chart-timeline"), steps);
+    const spans = await (await api(`/v1/jobs/${encodeURIComponent(job.id)}/timeline`)).json();
+    phases($("#chart-phases"), spans);
   } catch (error) { /* the job may be gone; the list says so */ }
 }
 
@@ -231,6 +233,47 @@ function bars(svg, points) {
     svg.append(rect);
   });
   axes(svg, size, xMax, [0, yMax]);
+}
+
+const PHASES = ["generate", "reward", "train", "commit"];
+const SHOWN_VERSIONS = 12;
+
+function phases(svg, spans) {
+  // one row per phase, time along x; the last SHOWN_VERSIONS versions (a commit belongs to the
+  // version it made, so it is drawn with the version trained before it)
+  const size = frame(svg);
+  const owner = (s) => (s.phase === "commit" ? s.version - 1 : s.version);
+  const drawn = spans.filter((s) => PHASES.includes(s.phase));
+  const last = Math.max(-1, ...drawn.map(owner));
+  const shown = drawn.filter((s) => owner(s) > last - SHOWN_VERSIONS);
+  if (shown.length === 0) { empty(svg, size, "no phase recorded yet"); return; }
+  const t0 = Math.min(...shown.map((s) => s.start));
+  const span = Math.max(...shown.map((s) => s.end)) - t0 || 1;
+  const rowHeight = (size.height - PAD.top - PAD.bottom) / PHASES.length;
+  const x = (t) => PAD.left + 30 + (size.width - PAD.left - 30 - PAD.right) * ((t - t0) / span);
+  PHASES.forEach((phase, row) => {
+    const label = document.createElementNS(SVG, "text");
+    label.setAttribute("x", 4);
+    label.setAttribute("y", PAD.top + row * rowHeight + rowHeight / 2 + 4);
+    label.textContent = phase;
+    svg.append(label);
+  });
+  for (const s of shown) {
+    const rect = document.createElementNS(SVG, "rect");
+    rect.setAttribute("class", `phase-${s.phase}`);
+    rect.setAttribute("x", x(s.start));
+    rect.setAttribute("y", PAD.top + PHASES.indexOf(s.phase) * rowHeight + 2);
+    rect.setAttribute("width", Math.max(1.5, x(s.end) - x(s.start)));
+    rect.setAttribute("height", rowHeight - 4);
+    rect.append(Object.assign(document.createElementNS(SVG, "title"),
+      { textContent: `v${s.version} ${s.phase} (${s.service}): ${fmt(s.end - s.start)} s` }));
+    svg.append(rect);
+  }
+  const text = document.createElementNS(SVG, "text");
+  text.setAttribute("x", size.width - PAD.right - 150);
+  text.setAttribute("y", size.height - 6);
+  text.textContent = `versions ${Math.max(0, last - SHOWN_VERSIONS + 1)}..${last}, ${fmt(span)} s`;
+  svg.append(text);
 }
 
 // --- start -----------------------------------------------------------------------------------
