@@ -179,6 +179,9 @@ def test_the_default_base_is_the_chat_model_and_the_character_level_one_is_named
     assert Config().base_model_dir == builtin_model_dir()
     assert (Config().base_model_dir / "chat_template.jinja").is_file()
     assert Config(base_model="builtin:chat").base_model_dir == builtin_model_dir()
-    assert Config(base_model="builtin:char").base_model_dir == char_model_dir()
     with pytest.raises(ConfigError, match=r"'builtin:tiny' is not a built-in model; use one of builtin:chat, builtin:char"):
         Config(base_model="builtin:tiny").base_model_dir
+    with pytest.raises(ConfigError, match=r"'builtin:char' has no chat template: set rollout.prompt_format = \"bare\""):
+        load_config(overrides={"base_model": "builtin:char"}, env={})
+    bare = load_config(overrides={"base_model": "builtin:char", "rollout.prompt_format": "bare"}, env={})
+    assert bare.base_model_dir == char_model_dir()

@@ -2,8 +2,9 @@
 
 Run ``python -m marlaas.basemodel.pretrain [--out DIR] [--steps N]``. Straight-line and
 reproducible to the byte on one machine: fixed seeds, deterministic torch ops, one thread
-(tokenizers' trainer too). The default run took 646 s of CPU (1,026 s wall on a busy 2-core
-machine) plus about 2 minutes of evaluation; ``--eval-only`` re-runs the evaluation alone.
+(tokenizers' trainer too). The default run (4,000 steps) took 1,503 s of CPU (2,090 s wall
+beside a test run on this 2-core machine) plus about a minute of evaluation
+(``chat/pretrain_report.json``); ``--eval-only`` re-runs the evaluation alone.
 
 1. renders ``TOKENIZER_EPISODES`` synthetic conversations (:mod:`marlaas.basemodel.synthetic`)
    with the chat template and trains the byte-level BPE tokenizer on them

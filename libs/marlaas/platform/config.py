@@ -192,6 +192,11 @@ class Config(Section):
     env: EnvConfig = msgspec.field(default_factory=EnvConfig)
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
 
+    def __post_init__(self) -> None:
+        if self.base_model == "builtin:char" and self.rollout.prompt_format == "chat":
+            raise ValueError("base_model 'builtin:char' has no chat template: set rollout.prompt_format = \"bare\" "
+                             "with it (or \"auto\")")
+
     @property
     def home_dir(self) -> Path:
         return Path(self.home).expanduser().resolve()
