@@ -81,6 +81,14 @@ def until(driver, check, what: str, timeout_s: float = 20):
     return WebDriverWait(driver, timeout_s).until(lambda d: check(d), message=what)
 
 
+def drawn(driver, selector: str) -> list[dict]:
+    """The chart elements matching ``selector``, read in one script: the charts are redrawn
+    every few seconds, so elements fetched one call earlier may already be gone."""
+    return driver.execute_script(
+        "return [...document.querySelectorAll(arguments[0])].map((e) => ({class: e.getAttribute('class') || '', "
+        "points: e.getAttribute('points') || '', title: e.textContent}))", selector)
+
+
 def blue_pixels(png: bytes) -> int:
     import io
 
@@ -110,16 +118,14 @@ def test_alice_sees_her_job_and_its_curve_and_not_bobs(site, browser, tmp_path):
     assert "completed" in row.text and "3 / 3" in row.text
     assert theirs not in browser.page_source  # bob's job is nowhere on alice's page
     row.click()
-    curve = until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#chart-reward polyline"), "no reward curve")[0]
-    assert len(curve.get_attribute("points").split()) == 3  # rewards of versions 0, 1 and 2
-    bars = browser.find_elements(By.CSS_SELECTOR, "#chart-timeline rect")
+    (curve,) = until(browser, lambda d: drawn(d, "#chart-reward polyline"), "no reward curve")
+    assert len(curve["points"].split()) == 3  # rewards of versions 0, 1 and 2
+    bars = until(browser, lambda d: drawn(d, "#chart-timeline rect"), "no seconds per version")
     assert len(bars) == 3  # the seconds between consecutive commits of versions 0..3
-    phases = until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#chart-phases rect"), "no timeline drawn")
-    drawn = sorted((r.get_attribute("class"), r.find_element(By.TAG_NAME, "title").get_attribute("textContent"))
-                   for r in phases)
+    phases = until(browser, lambda d: drawn(d, "#chart-phases rect"), "no timeline drawn")
     for phase in ("generate", "reward", "train", "commit"):  # three versions, each phase of each
-        assert sum(cls == f"phase-{phase}" for cls, _ in drawn) == 3, drawn
-    assert any(title.startswith("v2 train (trainer)") for _, title in drawn), drawn
+        assert sum(r["class"] == f"phase-{phase}" for r in phases) == 3, phases
+    assert any(r["title"].startswith("v2 train (trainer)") for r in phases), phases
     assert not browser.find_element(By.ID, "signin").is_displayed()  # signed in: the form is gone
     assert "not an agentic job" in browser.find_element(By.ID, "chart-tools").text
     png = browser.get_screenshot_as_png()

@@ -114,9 +114,14 @@ def test_register_swaps_the_cpu_wrapper_ops_only_when_asked(monkeypatch):
 
     from marlaas.vllm_plugin import fused_linear
 
-    originals = {name: getattr(punica_cpu, name) for name in vllm_plugin.OPS}
-    original_linear = punica_cpu.PunicaWrapperCPU.add_lora_linear
+    # vLLM's own ops and method, even when an earlier test in this process loaded the plugin
+    originals = {name: getattr(vllm_ops, name) for name in vllm_plugin.OPS}
+    installed = punica_cpu.PunicaWrapperCPU.add_lora_linear
+    original_linear = fused_linear._vllm_add_lora_linear if installed is fused_linear.add_lora_linear else installed
     try:
+        for name, op in originals.items():  # start from vLLM's state
+            setattr(punica_cpu, name, op)
+        punica_cpu.PunicaWrapperCPU.add_lora_linear = original_linear
         monkeypatch.setenv(vllm_plugin.KERNELS_ENV, "vllm")
         vllm_plugin.register()
         assert all(getattr(punica_cpu, name) is originals[name] for name in vllm_plugin.OPS)
