@@ -185,6 +185,7 @@ UI_DIR = Path(__file__).parent / "ui"
 def create_app(gateway: Gateway) -> Litestar:
     """The ASGI app serving ``gateway``."""
     from services.gateway.files import FILE_ROUTES
+    from services.gateway.tinker import TINKER_ROUTER
     from services.gateway.views import JOB_ROUTES
 
     v1 = Router(path="/v1", route_handlers=[*JOB_ROUTES, *FILE_ROUTES],
@@ -192,7 +193,7 @@ def create_app(gateway: Gateway) -> Litestar:
     # the dashboard: static files that call /v1 with the token the tenant types in (ui/app.js)
     ui = create_static_files_router(path="/ui", directories=[UI_DIR], html_mode=True, name="ui")
     return Litestar(
-        route_handlers=[v1, healthz, readyz, metrics, openapi_json, ui],
+        route_handlers=[v1, healthz, readyz, metrics, openapi_json, ui, TINKER_ROUTER],
         state=State({"gateway": gateway}),
         exception_handlers={Exception: error_answer},
         request_max_body_size=gateway.config.gateway.max_body_bytes,

@@ -176,7 +176,8 @@ class PolicyEngine:
             await asyncio.sleep(every_s)
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, lora,
-                       seed: int, stop: list[str] | None = None, ignore_eos: bool = False) -> Completion:
+                       seed: int | None, stop: list[str] | None = None, ignore_eos: bool = False,
+                       top_p: float = 1.0, top_k: int = 0, stop_token_ids: list[int] | None = None) -> Completion:
         """One completion of ``prompt_ids`` (token in, token out) under ``lora``.
 
         Each sample is its own request with its own seed (vLLM's ``n > 1`` is a frontend
@@ -188,8 +189,9 @@ class PolicyEngine:
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
-            n=1, max_tokens=max_tokens, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
+            n=1, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=0.0,
             logprobs=0, seed=seed, stop=stop or None, include_stop_str_in_output=True, ignore_eos=ignore_eos,
+            stop_token_ids=stop_token_ids or None,
             output_kind=RequestOutputKind.FINAL_ONLY,
             flat_logprobs=True,  # flat lists, not a dict of Logprob objects per token
         )

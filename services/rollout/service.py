@@ -38,6 +38,7 @@ from services.rollout.engine import PolicyEngine
 from services.rollout.episode import Episode, episode_metrics, settle_truncated, to_score
 from services.rollout.liveness import Liveness
 from services.rollout.rounds import SyncRounds, round_members
+from services.rollout.tinker import serve_tinker
 
 log = structlog.get_logger("rollout")
 SERVICE = "rollout"
@@ -447,9 +448,12 @@ async def run(rt: Runtime) -> None:
     watchdog = asyncio.create_task(engine.watch(rt.stop))
     reporter = asyncio.create_task(report_utilization(rt.bus, engine, rt.stop))
     try:
-        await rt.bus.consume("POLICY", "rollout", "marlaas.policy.committed.>", rollout.handle,
-                             stop=rt.stop, ack_wait_s=rt.config.rollout.ack_wait_s, concurrency=rt.config.rollout.concurrency,
-                             on_give_up=rollout.give_up)
+        await asyncio.gather(
+            rt.bus.consume("POLICY", "rollout", "marlaas.policy.committed.>", rollout.handle,
+                           stop=rt.stop, ack_wait_s=rt.config.rollout.ack_wait_s,
+                           concurrency=rt.config.rollout.concurrency, on_give_up=rollout.give_up),
+            serve_tinker(rt, rollout),  # Tinker clients' asample, on the same engine (services/rollout/tinker.py)
+        )
     finally:
         watchdog.cancel()
         reporter.cancel()

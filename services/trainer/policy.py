@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import tempfile
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,6 +156,9 @@ class PolicyTrainer:
         self._parked: list[str] = []
         self._tuner_layers: list[BaseTunerLayer] = []  # the LoRA layers (the same objects for every adapter)
         self._active: str | None = None  # the adapter set active by _activate (None: unknown)
+        # held by whoever uses the model: GRPO steps and Tinker requests run in threads of their own
+        self.lock = threading.RLock()
+        self.pinned: set[str] = set()  # hot jobs never evicted to make room (Tinker models holding gradients)
 
     # --- residency ---------------------------------------------------------------------------
 
@@ -166,6 +170,11 @@ class PolicyTrainer:
     def load(self, job: str, version: int, config_json: bytes, weights: bytes,
              optimizer_state: bytes | None, settings: GrpoSettings) -> None:
         """Make ``job`` hot at ``version`` from its stored adapter (and optimizer, if any)."""
+        with self.lock:
+            self._load(job, version, config_json, weights, optimizer_state, settings)
+
+    def _load(self, job: str, version: int, config_json: bytes, weights: bytes,
+              optimizer_state: bytes | None, settings: GrpoSettings) -> None:
         self.evict(job)
         slot = f"slot{next(self._slots)}"
         config = LoraConfig(**{k: v for k, v in json.loads(config_json).items()
@@ -207,7 +216,10 @@ class PolicyTrainer:
             saved_config = (Path(tmp) / CONFIG_FILE).read_bytes()
         self.hot[job] = HotJob(slot, version, optimizer, params, exported, saved_config)
         while len(self.hot) > self.hot_limit(params):
-            self.evict(next(iter(self.hot)))
+            victim = next((j for j in self.hot if j not in self.pinned and j != job), None)
+            if victim is None:
+                break
+            self.evict(victim)
 
     def hot_limit(self, params: list[torch.nn.Parameter]) -> int:
         """How many jobs stay hot: ``max_hot``, fewer if that many adapters of this size (weights,
@@ -217,9 +229,14 @@ class PolicyTrainer:
 
     def evict(self, job: str) -> None:
         """Drop a job's adapter and optimizer from memory (peft needs one adapter left: park it)."""
-        hot = self.hot.pop(job, None)
-        if hot is None:
-            return
+        with self.lock:
+            self.pinned.discard(job)
+            hot = self.hot.pop(job, None)
+            if hot is None:
+                return
+            self._drop_slot(hot)
+
+    def _drop_slot(self, hot: HotJob) -> None:
         self._active = None  # deleting the active adapter makes peft pick another
         if len(self.model.peft_config) > 1:
             self.model.delete_adapter(hot.slot)
@@ -230,6 +247,10 @@ class PolicyTrainer:
 
     def train_step(self, job: str, batch: TrajectoryBatch, settings: GrpoSettings) -> StepResult:
         """One optimizer step on ``batch``; the job moves to version + 1 in memory."""
+        with self.lock:
+            return self._train_step(job, batch, settings)
+
+    def _train_step(self, job: str, batch: TrajectoryBatch, settings: GrpoSettings) -> StepResult:
         hot = self.hot[job]
         losses = self.accumulate_gradients(job, batch, settings)
         grad_norm = torch.nn.utils.clip_grad_norm_(hot.params, settings.max_grad_norm)
@@ -343,12 +364,56 @@ class PolicyTrainer:
 
     def export(self, job: str) -> tuple[bytes, bytes, bytes]:
         """The hot job's adapter as PEFT files (config JSON, safetensors) and its optimizer state."""
-        hot = self.hot[job]
+        with self.lock:
+            return self._export(self.hot[job])
+
+    def _export(self, hot: HotJob) -> tuple[bytes, bytes, bytes]:
         state = hot.exported or get_peft_model_state_dict(self.model, adapter_name=hot.slot)
         weights = save_safetensors({k: v.detach().to("cpu").contiguous() for k, v in state.items()})
         buf = io.BytesIO()
         torch.save(hot.optimizer.state_dict(), buf)
         return hot.config_json, weights, buf.getvalue()
+
+    # --- the Tinker API's primitives (services/trainer/tinker.py; call with ``lock`` held) ------
+
+    def target_logprobs(self, job: str, tokens_T: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
+        """log p(targets_T[t] | tokens_T[:t+1]) under the job's adapter; differentiable unless the
+        caller disabled gradients."""
+        hot = self.hot[job]
+        self.hot.move_to_end(job)
+        self._activate(hot.slot)
+        for p in hot.params:
+            p.requires_grad_(True)
+        if not self.model.training:
+            self.model.train()
+        ids_1_T, targets_T = tokens_T.to(self.device).unsqueeze(0), targets_T.to(self.device)
+        parts = find_decoder_and_head(self.model) if self.split_head else None
+        if parts is None:
+            logits_T_V = self.model(input_ids=ids_1_T, use_cache=False).logits[0].float()
+            return torch.log_softmax(logits_T_V, dim=-1).gather(-1, targets_T.unsqueeze(-1)).squeeze(-1)
+        decoder, head = parts
+        hidden_T_H = decoder(input_ids=ids_1_T, use_cache=False).last_hidden_state[0]
+        return head_logprobs(hidden_T_H, targets_T, head, 1.0)
+
+    def adam_step(self, job: str, learning_rate: float, betas: tuple[float, float], eps: float,
+                  weight_decay: float, grad_clip_norm: float) -> dict[str, float]:
+        """One AdamW step on the gradients accumulated since the last one (none: a step on zeros,
+        which still moves the moments), with the caller's hyperparameters; then zero them."""
+        hot = self.hot[job]
+        for p in hot.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for group in hot.optimizer.param_groups:
+            group.update(lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
+        max_norm = grad_clip_norm if grad_clip_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(hot.params, max_norm)
+        if not torch.isfinite(grad_norm):
+            hot.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteUpdate(f"gradient norm is {grad_norm.item()}: the step was not taken")
+        hot.optimizer.step()
+        hot.optimizer.zero_grad(set_to_none=True)
+        hot.version += 1
+        return {"grad_norm": float(grad_norm)}
 
     def _pack(self, samples: list[Sample]):
         """Right-pad prompt + completion into tensors; the mask covers trained completion tokens."""

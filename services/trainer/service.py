@@ -30,6 +30,7 @@ from marlaas.platform.events import (
 from marlaas.platform.runtime import Runtime
 from marlaas.platform.store import ObjectStore
 from marlaas.platform.telemetry import span
+from services.trainer.tinker import run_tinker
 from services.trainer.policy import NonFiniteUpdate, PolicyTrainer, StepResult, torch_threads
 
 log = structlog.get_logger("trainer")
@@ -143,12 +144,13 @@ class Trainer:
         version of the in-memory adapter the step started from, and the step's result."""
         while self.finished:
             self.policy.evict(self.finished.pop())
-        if self.policy.hot_version(committed.job) != committed.version:
-            config_json, weights = read_adapter(self.store, committed.adapter)
-            optimizer = self.store.fetch(committed.optimizer) if committed.optimizer else None
-            self.policy.load(committed.job, committed.version, config_json, weights, optimizer, spec.grpo)
-        trained_from = self.policy.hot_version(committed.job)
-        result = self.policy.train_step(committed.job, batch, spec.grpo)
+        with self.policy.lock:  # a Tinker request (another thread) must not evict the job in between
+            if self.policy.hot_version(committed.job) != committed.version:
+                config_json, weights = read_adapter(self.store, committed.adapter)
+                optimizer = self.store.fetch(committed.optimizer) if committed.optimizer else None
+                self.policy.load(committed.job, committed.version, config_json, weights, optimizer, spec.grpo)
+            trained_from = self.policy.hot_version(committed.job)
+            result = self.policy.train_step(committed.job, batch, spec.grpo)
         result.metrics.update(batch.metrics)  # rollout's figures (tool calls, turns) ride with the version
         return trained_from, result
 
@@ -194,5 +196,8 @@ async def run(rt: Runtime) -> None:
     await trainer.reannounce_committed()
     rt.ready()
     log.info("ready", device=cfg.trainer.device, base_model=str(cfg.base_model_dir))
-    await rt.bus.consume("TRAJ", "trainer", "marlaas.trajectory.ready.>", trainer.handle,
-                         stop=rt.stop, ack_wait_s=rt.config.trainer.ack_wait_s, concurrency=1, on_give_up=trainer.give_up)
+    await asyncio.gather(
+        rt.bus.consume("TRAJ", "trainer", "marlaas.trajectory.ready.>", trainer.handle,
+                       stop=rt.stop, ack_wait_s=rt.config.trainer.ack_wait_s, concurrency=1, on_give_up=trainer.give_up),
+        run_tinker(rt, policy),  # Tinker clients' requests, on the same policy (services/trainer/tinker.py)
+    )

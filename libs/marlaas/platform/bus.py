@@ -82,6 +82,7 @@ VERSIONS_BUCKET = "versions"
 TOOLS_BUCKET = "tools"
 TENANTS_BUCKET = "tenants"
 SAMPLED_BUCKET = "sampled"  # per job: the last version whose batch rollout published
+TINKER_BUCKET = "tinker"  # the Tinker API's sessions, models, samplers, checkpoints, futures
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ STREAMS = (
     StreamSpec("POLICY", ["marlaas.policy.>"]),
     StreamSpec("TRAJ", ["marlaas.trajectory.>"], work_queue=True),
     StreamSpec("METRICS", ["marlaas.span.>"], max_age_s=7 * 24 * 3600),
+    StreamSpec("TINKER", ["marlaas.tinker.>"], work_queue=True),  # Tinker clients' requests
 )
 
 
@@ -113,6 +115,7 @@ BUCKETS = (
     BucketSpec(TOOLS_BUCKET, history=1, ttl_s=30.0),  # tool servers re-announce as a heartbeat
     BucketSpec(TENANTS_BUCKET),
     BucketSpec(SAMPLED_BUCKET, history=1),
+    BucketSpec(TINKER_BUCKET, history=1),
 )
 
 

@@ -1,0 +1,180 @@
+"""The Tinker API's state and work on the bus: sessions, models, samplers, checkpoints, futures.
+
+The gateway serves Tinker's HTTP API (``services/gateway/tinker.py``); the work is done by the
+same services as a job's: the trainer takes a model's training requests from the work queue
+``marlaas.tinker.train.<tenant>`` in order, rollout takes sampling requests from
+``marlaas.tinker.sample.<tenant>`` and runs them on the shared engine. Whoever finishes a request
+writes its future to the ``tinker`` bucket, where the gateway's ``retrieve_future`` reads it.
+
+Every record names its tenant; the gateway answers another tenant's id as a missing one. Ids are
+the SDK's own shapes (``<session>:train:<n>``, ``<session>:sample:<n>``, ``<model>:<seq>``);
+bucket keys are their hashes, so any id is a valid key. A model is a "job driven by its client":
+its live adapter and optimizer state are written to the object store after every ``optim_step``
+(``TinkerLive``), and its checkpoints are adapters in the store like any job's versions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import msgspec
+
+from marlaas.platform.bus import TINKER_BUCKET, Bus
+from marlaas.platform.events import Blob
+
+TRAIN_SUBJECT = "marlaas.tinker.train"  # .<tenant>: a model's requests, in the order they came
+SAMPLE_SUBJECT = "marlaas.tinker.sample"  # .<tenant>: sampling requests, any order
+INLINE_RESULT_BYTES = 512 * 1024  # a future's body above this goes to the object store
+SDK_VERSION = "0.38.0"  # the tinker SDK the API is written and tested against
+
+
+class Wire(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of the Tinker records: wire types accept fields they do not know."""
+
+
+class TinkerSession(Wire):
+    """A client's session (``ServiceClient``): its tenant, and when it last sent a heartbeat."""
+
+    id: str
+    tenant: str
+    created_at: float
+    heartbeat_at: float = 0.0
+    finished: bool = False
+
+
+class TinkerModel(Wire):
+    """A LoRA a Tinker client trains: what ``create_model`` (or ``load_weights``) asked for."""
+
+    id: str
+    tenant: str
+    session: str
+    base_model: str
+    rank: int
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+    created_at: float = 0.0
+    from_checkpoint: str = ""  # a tinker:// path when created from saved state
+
+
+class TinkerCheckpoint(Wire):
+    """Saved weights: ``kind`` "sampler" (adapter only) or "state" (adapter and optimizer)."""
+
+    path: str  # tinker://<model id>/<sampler_weights|weights>/<name>
+    tenant: str
+    model_id: str
+    kind: str
+    adapter: Blob
+    optimizer: Blob | None = None
+    rank: int = 0
+    created_at: float = 0.0
+
+
+class TinkerSampler(Wire):
+    """A sampling session: the adapter it samples (None: the base model)."""
+
+    id: str
+    tenant: str
+    base_model: str
+    model_path: str = ""
+    adapter: Blob | None = None
+
+
+class TinkerLive(Wire):
+    """The trainer's record of a model: its state as of the last optimizer step."""
+
+    model_id: str
+    steps: int = 0
+    adapter: Blob | None = None
+    optimizer: Blob | None = None
+
+
+class TinkerFuture(Wire):
+    """A finished request: a JSON or protobuf body (inline, or in the store), or an error."""
+
+    request_id: str
+    tenant: str
+    media: str = "json"  # "json" | "proto" | "error"
+    body: bytes = b""
+    blob: Blob | None = None
+    error: str = ""
+    category: str = "user"  # "user" | "server" | "unknown" (the SDK's RequestErrorCategory)
+    done_at: float = 0.0
+
+
+class TrainRequest(Wire):
+    """One training request of a model, as the gateway took it: ``kind`` is the endpoint
+    (create_model, forward_backward, optim_step, save_weights, save_weights_for_sampler,
+    load_weights, unload), ``body`` its JSON (or protobuf for forward_backward)."""
+
+    request_id: str
+    tenant: str
+    model_id: str
+    kind: str
+    body: bytes
+    seq_id: int = 0
+    submitted_at: float = 0.0
+
+
+class SampleRequest(Wire):
+    """One ``asample``: the sampler's record and the request's JSON body."""
+
+    request_id: str
+    tenant: str
+    sampler: TinkerSampler
+    body: bytes
+    submitted_at: float = 0.0
+
+
+def key(kind: str, ident: str) -> str:
+    """The bucket key of ``ident`` (any string) of ``kind`` (session, model, sampler, ...)."""
+    return f"{kind}.{hashlib.sha256(ident.encode()).hexdigest()[:40]}"
+
+
+def request_id(scope: str, seq_id: int | None) -> str:
+    """A request's id: its model's or sampler's id and its sequence number. The same request
+    retried gets the same id, so the work queue drops the duplicate and the client is answered
+    with the first one's future."""
+    return f"{scope}:{seq_id}" if seq_id is not None else f"{scope}:{time.time_ns()}"
+
+
+async def read(bus: Bus, kind: str, ident: str, typ: type):
+    """The record of ``ident`` (None when there is none)."""
+    entry = await bus.kv_get(TINKER_BUCKET, key(kind, ident))
+    return None if entry is None else msgspec.json.decode(entry.value, type=typ)
+
+
+async def write(bus: Bus, kind: str, ident: str, record: msgspec.Struct) -> None:
+    await bus.kv_put(TINKER_BUCKET, key(kind, ident), msgspec.json.encode(record))
+
+
+class CheckpointIndex(Wire):
+    """The checkpoints a model has saved (its tinker:// paths), for the listing endpoints."""
+
+    model_id: str
+    tenant: str
+    paths: list[str] = []
+
+
+async def index(bus: Bus, tenant: str, model_id: str, path: str) -> None:
+    """Add ``path`` to its model's checkpoint list (one trainer writes a model's requests at a time)."""
+    found = await read(bus, "checkpoints", model_id, CheckpointIndex)
+    paths = [p for p in (found.paths if found else []) if p != path] + [path]
+    await write(bus, "checkpoints", model_id, CheckpointIndex(model_id=model_id, tenant=tenant, paths=paths))
+
+
+async def finish(bus: Bus, store, future: TinkerFuture) -> None:
+    """Record a finished request; a body too large for the bucket goes to the object store."""
+    if len(future.body) > INLINE_RESULT_BYTES:
+        blob = store.put_bytes(f"tinker/futures/{hashlib.sha256(future.request_id.encode()).hexdigest()}",
+                               future.body)
+        future = msgspec.structs.replace(future, body=b"", blob=blob)
+    await write(bus, "future", future.request_id, msgspec.structs.replace(future, done_at=time.time()))
+
+
+async def fail(bus: Bus, store, request_id: str, tenant: str, error: str, category: str = "user") -> None:
+    """Record a request that failed: the client raises ``RequestFailedError`` with ``error``."""
+    await finish(bus, store, TinkerFuture(request_id=request_id, tenant=tenant, media="error",
+                                          error=error, category=category))

@@ -1,0 +1,143 @@
+"""Rollout's half of the Tinker API: ``asample`` on the shared engine, batched with every job's generation.
+
+Sampling requests come from the work queue ``marlaas.tinker.sample.<tenant>``, many at once; each
+runs as ``num_samples`` engine requests (their own seeds, as a job's group does) under the
+sampler's adapter, which is loaded into the engine once per adapter (by content hash) and dropped,
+least recently used first, once no request of it is in flight. The result is the SDK's protobuf
+``SampleResponse``: the tokens with the stop token or string included, and every token's logprob.
+
+Semantics of ``stop`` (the SDK's): None stops at the end-of-sequence token; a list of strings or
+of token ids stops at those alone (the end-of-sequence token no longer stops); ``[]`` runs to
+``max_tokens``. Not served: ``prompt_logprobs`` and top-k logprobs (the request fails saying so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+from collections import OrderedDict
+
+import msgspec
+import numpy as np
+import structlog
+from tinker.proto import tinker_public_pb2 as pb
+
+from marlaas.platform import tinker as wire
+from marlaas.platform.adapters import materialize
+from marlaas.platform.bus import Delivery
+from marlaas.platform.events import Blob
+
+log = structlog.get_logger("rollout.tinker")
+MAX_ADAPTERS = 8  # Tinker samplers' adapters kept in the engine (beside the jobs')
+
+
+class SampleError(Exception):
+    """A request the client got wrong: its future fails with category "user"."""
+
+
+class TinkerSampler:
+    """Serves ``asample`` with the rollout's engine."""
+
+    def __init__(self, rollout) -> None:
+        self.rollout, self.engine = rollout, rollout.engine
+        self.bus, self.store = rollout.bus, rollout.store
+        self.cache_dir = rollout.cache_dir / "tinker"
+        self.loaded: OrderedDict[str, int] = OrderedDict()  # adapter sha -> requests in flight
+        self.lock = asyncio.Lock()
+
+    async def handle(self, delivery: Delivery) -> None:
+        request = msgspec.json.decode(delivery.data, type=wire.SampleRequest)
+        if await wire.read(self.bus, "future", request.request_id, wire.TinkerFuture) is not None:
+            return
+        try:
+            async with delivery.keep_alive():
+                body = await self.sample(request)
+        except SampleError as exc:
+            return await wire.fail(self.bus, self.store, request.request_id, request.tenant, str(exc))
+        except Exception as exc:
+            log.exception("tinker sample failed", request_id=request.request_id)
+            return await wire.fail(self.bus, self.store, request.request_id, request.tenant,
+                                   f"sampling failed: {exc!r}", category="server")
+        await wire.finish(self.bus, self.store, wire.TinkerFuture(
+            request_id=request.request_id, tenant=request.tenant, media="proto", body=body))
+
+    async def sample(self, request: wire.SampleRequest) -> bytes:
+        body = msgspec.json.decode(request.body)
+        prompt = prompt_tokens(body.get("prompt") or {})
+        params = body.get("sampling_params") or {}
+        if body.get("prompt_logprobs") or body.get("topk_prompt_logprobs") or body.get("topk_sample_logprobs") \
+                or body.get("target_prompt_logprobs"):
+            raise SampleError("prompt logprobs and top-k logprobs are not served here: sample without them "
+                              "(and score prompts with the training client's forward)")
+        n = int(body.get("num_samples") or 1)
+        max_tokens = params.get("max_tokens")
+        limit = self.rollout.config.rollout.max_model_len - len(prompt)
+        if not 1 <= n <= 64:
+            raise SampleError(f"num_samples is {n}: ask for 1 to 64")
+        if max_tokens is None or not 1 <= int(max_tokens) <= limit:
+            raise SampleError(f"sampling_params.max_tokens must be set, 1 to {limit} (the engine's "
+                              f"max_model_len less the {len(prompt)}-token prompt)")
+        stop = params.get("stop")
+        stop_strings = [stop] if isinstance(stop, str) else [s for s in stop or [] if isinstance(s, str)]
+        stop_ids = [s for s in stop or [] if isinstance(s, int)] if not isinstance(stop, str) else []
+        seed = params.get("seed")
+        seeds = [seed + j if seed is not None else random.getrandbits(31) for j in range(n)]
+        lora = await self.adapter(request.sampler.adapter)
+        try:
+            turns = await asyncio.gather(*[
+                self.engine.generate(prompt, max_tokens=int(max_tokens), temperature=float(params.get("temperature", 1.0)),
+                                     lora=lora, seed=s, stop=stop_strings or None, stop_token_ids=stop_ids or None,
+                                     ignore_eos=stop is not None, top_p=float(params.get("top_p", 1.0)),
+                                     top_k=int(params.get("top_k", -1)))
+                for s in seeds])
+        finally:
+            if request.sampler.adapter is not None:
+                self.loaded[request.sampler.adapter.sha256] -= 1
+        response = pb.SampleResponse()
+        for turn in turns:
+            response.sequences.add(
+                stop_reason=pb.STOP_REASON_STOP if turn.finish_reason == "stop" else pb.STOP_REASON_LENGTH,
+                tokens=np.asarray(turn.token_ids, dtype=np.int32).tobytes(),
+                logprobs=np.asarray(turn.logprobs, dtype=np.float32).tobytes())
+        return response.SerializeToString()
+
+    async def adapter(self, blob: Blob | None):
+        """The engine's LoRARequest for ``blob`` (None: the base model), counted as in use."""
+        if blob is None:
+            return None
+        async with self.lock:
+            sha = blob.sha256
+            adapter_dir = self.cache_dir / sha[:32]
+            await asyncio.to_thread(materialize, self.store, blob, adapter_dir)
+            lora = await self.engine.use_adapter(f"tinker-{sha[:16]}", 0, adapter_dir)
+            self.loaded[sha] = self.loaded.get(sha, 0) + 1
+            self.loaded.move_to_end(sha)
+            for old, busy in list(self.loaded.items()):
+                if len(self.loaded) <= MAX_ADAPTERS:
+                    break
+                if busy == 0:
+                    del self.loaded[old]
+                    await self.engine.drop_job(f"tinker-{old[:16]}")
+                    await asyncio.to_thread(shutil.rmtree, self.cache_dir / old[:32], True)
+            return lora
+
+
+def prompt_tokens(model_input: dict) -> list[int]:
+    """The prompt's token ids, from its encoded-text chunks."""
+    tokens: list[int] = []
+    for chunk in model_input.get("chunks") or []:
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise SampleError(f"prompt chunks of type {chunk.get('type')!r} are not served: this is a text model")
+        tokens.extend(int(t) for t in chunk.get("tokens") or [])
+    if not tokens:
+        raise SampleError("the prompt has no tokens")
+    return tokens
+
+
+async def serve_tinker(rt, rollout) -> None:
+    """Take sampling requests until ``rt.stop``."""
+    sampler = TinkerSampler(rollout)
+    await rt.bus.consume("TINKER", "rollout-tinker", f"{wire.SAMPLE_SUBJECT}.>", sampler.handle, stop=rt.stop,
+                         ack_wait_s=rt.config.rollout.ack_wait_s, concurrency=rt.config.rollout.concurrency,
+                         max_deliver=3)

@@ -1,0 +1,272 @@
+"""The trainer's half of the Tinker API: a model's training requests, one at a time, in order.
+
+The gateway puts each request on the work queue ``marlaas.tinker.train.<tenant>`` (deduplicated
+by its id, ``<model>:<seq_id>``) before it answers the client, and the client sends a model's
+next request only once the previous one was taken, so the queue's order is the model's
+``seq_id`` order; one consumer takes them in it. A request's outcome is its future in the
+``tinker`` bucket: the body the SDK expects, or ``{error, category}``.
+
+A model is a LoRA in the same peft model as the jobs' (``PolicyTrainer``), under the name
+``tinker/<model id>``: ``forward_backward`` adds its gradients (kept until ``optim_step``, and the
+model is pinned in memory meanwhile), ``optim_step`` takes an AdamW step with the client's
+hyperparameters and writes the adapter and optimizer to the store (``TinkerLive``), so a model
+pushed out of memory, or a trainer restarted, goes on from its last step. Gradients accumulated
+since that step are lost with a restart: ``optim_step`` cannot tell, and steps on what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import msgspec
+import numpy as np
+import structlog
+import torch
+from tinker.proto import tinker_public_pb2 as pb
+
+from marlaas.platform import tinker as wire
+from marlaas.platform.adapters import attempt_prefix, init_adapter, read_adapter, write_adapter
+from marlaas.platform.bus import Bus, Delivery
+from marlaas.platform.events import GrpoSettings, LoraSettings
+from marlaas.platform.store import ObjectStore
+from marlaas.platform.telemetry import span
+from services.trainer.policy import NonFiniteUpdate, PolicyTrainer
+from services.trainer.tinker_losses import LossInputError, check_loss, datum_loss
+
+log = structlog.get_logger("trainer.tinker")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+LORA_ALPHA = 32  # Tinker's
+
+
+class UserError(Exception):
+    """A request the client got wrong: its future fails with category "user" and this message."""
+
+
+def job_name(model_id: str) -> str:
+    """The model's name among the trainer's hot adapters (never a job id: those have no '/')."""
+    return f"tinker/{model_id}"
+
+
+def lora_settings(model: wire.TinkerModel) -> LoraSettings:
+    targets = (ATTENTION if model.train_attn else ()) + (MLP if model.train_mlp else ())
+    if not targets:
+        raise UserError("lora_config trains nothing: set train_attn or train_mlp (train_unembed alone is not "
+                        "served: vLLM serves no LoRA on the output embedding)")
+    return LoraSettings(rank=model.rank, alpha=LORA_ALPHA, target_modules=targets)
+
+
+def datum_tensors(datum: pb.Datum) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A datum's input tokens and loss inputs, from the protobuf."""
+    pieces = []
+    for chunk in datum.model_input:
+        if chunk.WhichOneof("chunk") != "encoded_text":
+            raise UserError(f"model_input chunks of type {chunk.WhichOneof('chunk')!r} are not served: this is a "
+                            "text model (send EncodedTextChunk tokens)")
+        pieces.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
+    tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+    inputs = {}
+    for name, tensor in datum.loss_fn_inputs.items():
+        if tensor.HasField("sparse_csr"):
+            raise UserError(f"loss_fn_inputs[{name!r}] is sparse: send dense tensors")
+        dtype = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64}.get(tensor.dtype)
+        if dtype is None:
+            raise UserError(f"loss_fn_inputs[{name!r}] has dtype {tensor.dtype}: send float32 or int64")
+        inputs[name] = torch.from_numpy(np.frombuffer(tensor.dense, dtype=dtype).copy())
+    return torch.from_numpy(tokens.astype(np.int64)), inputs
+
+
+def batched(values: list[np.ndarray], dtype: int) -> pb.BatchedTensor:
+    """Per-datum 1-D arrays as one protobuf BatchedTensor (byte offsets, n + 1 of them)."""
+    offsets = np.cumsum([0] + [v.nbytes for v in values]).astype(np.int64)
+    return pb.BatchedTensor(data=b"".join(v.tobytes() for v in values), offsets=offsets.tobytes(), dtype=dtype)
+
+
+class TinkerTrainer:
+    """Runs Tinker models' training requests on the trainer's policy."""
+
+    def __init__(self, bus: Bus, store: ObjectStore, policy: PolicyTrainer, base_model_dir,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.bus, self.store, self.policy, self.base_model_dir = bus, store, policy, base_model_dir
+        self.loop = loop  # the bus's: the request's thread reads and writes records through it
+
+    async def handle(self, delivery: Delivery) -> None:
+        request = msgspec.json.decode(delivery.data, type=wire.TrainRequest)
+        if await wire.read(self.bus, "future", request.request_id, wire.TinkerFuture) is not None:
+            return  # done before a crash, or a duplicate: never train twice on one request
+        model = await wire.read(self.bus, "model", request.model_id, wire.TinkerModel)
+        if model is None or model.tenant != request.tenant:
+            return await wire.fail(self.bus, self.store, request.request_id, request.tenant,
+                                   f"no model {request.model_id!r}")
+        live = await wire.read(self.bus, "live", request.model_id, wire.TinkerLive)
+        try:
+            async with span(self.bus, "trainer", f"tinker_{request.kind}", request.tenant, 0,
+                            model=request.model_id, seq_id=request.seq_id):
+                async with delivery.keep_alive():
+                    media, body, live = await asyncio.to_thread(self._run, request, model, live)
+        except (UserError, LossInputError) as exc:
+            return await wire.fail(self.bus, self.store, request.request_id, request.tenant, str(exc))
+        except NonFiniteUpdate as exc:
+            return await wire.fail(self.bus, self.store, request.request_id, request.tenant, str(exc))
+        except Exception as exc:
+            log.exception("tinker request failed", model=request.model_id, kind=request.kind)
+            return await wire.fail(self.bus, self.store, request.request_id, request.tenant,
+                                   f"the trainer failed on {request.kind}: {exc!r}", category="server")
+        if live is not None:
+            await wire.write(self.bus, "live", request.model_id, live)
+        await wire.finish(self.bus, self.store, wire.TinkerFuture(
+            request_id=request.request_id, tenant=request.tenant, media=media, body=body))
+
+    # --- in a thread, with the policy's lock -----------------------------------------------------
+
+    def _run(self, request: wire.TrainRequest, model: wire.TinkerModel,
+             live: wire.TinkerLive | None) -> tuple[str, bytes, wire.TinkerLive | None]:
+        with self.policy.lock:
+            if request.kind == "create_model":
+                return "json", *self._create(model)
+            if request.kind == "load_weights":
+                return "json", *self._load_checkpoint(model, json.loads(request.body))
+            if live is None:
+                raise UserError(f"model {model.id!r} is still being created: wait for create_model's future")
+            self._make_hot(model, live)
+            body = json.loads(request.body) if request.kind != "forward_backward" else None
+            match request.kind:
+                case "forward_backward":
+                    return "proto", self._forward_backward(model, request.body), None
+                case "optim_step":
+                    return "json", *self._optim_step(model, live, body)
+                case "save_weights" | "save_weights_for_sampler":
+                    return "json", self._save(model, request.kind, body), None
+                case "unload_model":
+                    self.policy.evict(job_name(model.id))
+                    return "json", b'{"type": "unload_model"}', None
+        raise UserError(f"unknown request kind {request.kind!r}")
+
+    def _write_live(self, model: wire.TinkerModel, steps: int) -> wire.TinkerLive:
+        config_json, weights, optimizer = self.policy.export(job_name(model.id))
+        adapter = write_adapter(self.store, f"tinker-{model.tenant}", steps, config_json, weights)
+        blob = self.store.put_bytes(attempt_prefix("optimizer", f"tinker-{model.tenant}", steps) + "/adamw.pt",
+                                    optimizer)
+        return wire.TinkerLive(model_id=model.id, steps=steps, adapter=adapter, optimizer=blob)
+
+    def _create(self, model: wire.TinkerModel) -> tuple[bytes, wire.TinkerLive]:
+        config_json, weights = init_adapter(self.base_model_dir, lora_settings(model), model.seed or 0)
+        self.policy.load(job_name(model.id), 0, config_json, weights, None, GrpoSettings())
+        live = self._write_live(model, 0)
+        return msgspec.json.encode({"model_id": model.id, "type": "create_model"}), live
+
+    def _load_checkpoint(self, model: wire.TinkerModel, body: dict) -> tuple[bytes, wire.TinkerLive]:
+        checkpoint = self._checkpoint(model.tenant, body.get("path") or model.from_checkpoint)
+        config_json, weights = read_adapter(self.store, checkpoint.adapter)
+        optimizer = None
+        if body.get("optimizer"):
+            if checkpoint.optimizer is None:
+                raise UserError(f"{checkpoint.path} holds sampler weights only (no optimizer state): load it "
+                                "without the optimizer, or save with save_state")
+            optimizer = self.store.fetch(checkpoint.optimizer)
+        self.policy.load(job_name(model.id), 0, config_json, weights, optimizer, GrpoSettings())
+        live = self._write_live(model, 0)
+        return msgspec.json.encode({"model_id": model.id, "path": checkpoint.path, "type": "load_weights"}), live
+
+    def _checkpoint(self, tenant: str, path: str) -> wire.TinkerCheckpoint:
+        found = self._wait(wire.read(self.bus, "checkpoint", path, wire.TinkerCheckpoint))
+        if found is None or found.tenant != tenant:
+            raise UserError(f"no checkpoint {path!r}: save_state or save_weights_for_sampler write one")
+        return found
+
+    def _make_hot(self, model: wire.TinkerModel, live: wire.TinkerLive) -> None:
+        """Load the model from its last step unless it is in memory."""
+        job = job_name(model.id)
+        if self.policy.hot_version(job) is not None:
+            return
+        config_json, weights = read_adapter(self.store, live.adapter)
+        optimizer = self.store.fetch(live.optimizer) if live.optimizer else None
+        self.policy.load(job, live.steps, config_json, weights, optimizer, GrpoSettings())
+        log.info("tinker model loaded from its last step", model=model.id, steps=live.steps)
+
+    def _forward_backward(self, model: wire.TinkerModel, body: bytes) -> bytes:
+        request = pb.ForwardBackwardRequest()
+        request.ParseFromString(body)
+        check_loss(request.loss_fn)
+        config = {k: v.number for k, v in request.loss_fn_config_v2.items() if v.WhichOneof("value") == "number"}
+        config = config or dict(request.loss_fn_config)
+        job = job_name(model.id)
+        outputs: dict[str, list[np.ndarray]] = {"logprobs": [], "elementwise_loss": []}
+        total = 0.0
+        if not request.forward_only:
+            self.policy.pinned.add(job)  # its gradients wait for optim_step
+        with torch.set_grad_enabled(not request.forward_only):
+            for i, datum in enumerate(request.data):
+                tokens_T, inputs = datum_tensors(datum)
+                targets_T = inputs.get("target_tokens")
+                if targets_T is None or targets_T.numel() != tokens_T.numel():
+                    raise UserError(f"datum {i}: loss_fn_inputs['target_tokens'] must hold one token per input "
+                                    f"token ({tokens_T.numel()}); it holds "
+                                    f"{'none' if targets_T is None else targets_T.numel()}")
+                if tokens_T.numel() == 0:
+                    raise UserError(f"datum {i} has no tokens")
+                logprobs_T = self.policy.target_logprobs(job, tokens_T, targets_T)
+                loss, out = datum_loss(request.loss_fn, logprobs_T, inputs, config)
+                if not torch.isfinite(loss):
+                    raise NonFiniteUpdate(f"datum {i}: the loss is {loss.item()}")
+                if not request.forward_only:
+                    loss.backward()
+                total += loss.item()
+                for name, values in out.items():
+                    outputs[name].append(values.float().cpu().numpy())
+        record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(request.data))
+        for name, values in outputs.items():
+            record.fields[name].CopyFrom(batched(values, pb.DTYPE_FLOAT32))
+        result = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
+        result.metrics["loss:sum"] = total
+        return result.SerializeToString()
+
+    def _optim_step(self, model: wire.TinkerModel, live: wire.TinkerLive, body: dict) -> tuple[bytes, wire.TinkerLive]:
+        params = body.get("adam_params") or body.get("optim_params") or {}
+        if body.get("optimizer_params") is not None or params.get("type", "adamw") != "adamw":
+            raise UserError("only AdamW (adam_params) is served")
+        job = job_name(model.id)
+        metrics = self.policy.adam_step(
+            job, float(params.get("learning_rate", 1e-4)),
+            (float(params.get("beta1", 0.9)), float(params.get("beta2", 0.95))),
+            float(params.get("eps", 1e-12)), float(params.get("weight_decay", 0.0)),
+            float(params.get("grad_clip_norm", 0.0)))
+        self.policy.pinned.discard(job)
+        live = self._write_live(model, live.steps + 1)
+        return msgspec.json.encode({"metrics": {f"{k}:mean": v for k, v in metrics.items()}}), live
+
+    def _save(self, model: wire.TinkerModel, kind: str, body: dict) -> bytes:
+        config_json, weights, optimizer = self.policy.export(job_name(model.id))
+        adapter = write_adapter(self.store, f"tinker-{model.tenant}", 0, config_json, weights)
+        name = body.get("path")
+        if kind == "save_weights_for_sampler" and name is None:  # ephemeral: a sampler, no checkpoint
+            seq = body.get("sampling_session_seq_id")
+            sampler = wire.TinkerSampler(id=f"{model.session}:sample:{seq}", tenant=model.tenant,
+                                         base_model=model.base_model, adapter=adapter)
+            self._wait(wire.write(self.bus, "sampler", sampler.id, sampler))
+            return msgspec.json.encode({"path": None, "sampling_session_id": sampler.id,
+                                        "type": "save_weights_for_sampler"})
+        segment = "sampler_weights" if kind == "save_weights_for_sampler" else "weights"
+        path = f"tinker://{model.id}/{segment}/{name}"
+        state = None
+        if kind == "save_weights":
+            state = self.store.put_bytes(attempt_prefix("optimizer", f"tinker-{model.tenant}", 0) + "/adamw.pt",
+                                         optimizer)
+        checkpoint = wire.TinkerCheckpoint(path=path, tenant=model.tenant, model_id=model.id,
+                                           kind="sampler" if state is None else "state", adapter=adapter,
+                                           optimizer=state, rank=model.rank, created_at=time.time())
+        self._wait(wire.write(self.bus, "checkpoint", path, checkpoint))
+        self._wait(wire.index(self.bus, model.tenant, model.id, path))
+        return msgspec.json.encode({"path": path, "type": kind})
+
+    def _wait(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+
+async def run_tinker(rt, policy: PolicyTrainer) -> None:
+    """Take Tinker training requests until ``rt.stop``."""
+    trainer = TinkerTrainer(rt.bus, rt.store, policy, rt.config.base_model_dir, asyncio.get_running_loop())
+    await rt.bus.consume("TINKER", "trainer-tinker", f"{wire.TRAIN_SUBJECT}.>", trainer.handle, stop=rt.stop,
+                         ack_wait_s=rt.config.trainer.ack_wait_s, concurrency=1, max_deliver=3)
