@@ -26,10 +26,10 @@ from litestar.di import Provide
 from tinker.proto import tinker_public_pb2 as pb
 
 from marlaas.platform import tinker as wire
-from marlaas.platform.tenants import TenantRecord, authenticate
+from marlaas.platform.tenants import TenantRecord, authenticate, tinker_api_key
 from services.gateway.app import ApiError, Gateway, gateway_of
 
-KEY_PREFIX = "tml-"
+KEY_PREFIX = tinker_api_key("")  # "tml-"
 POLL_S = 10.0  # a retrieve_future waits this long for a pending future (the SDK's read timeout is 45 s)
 MAX_CHUNK_BYTES = 512 * 1024  # forward_backward chunks the SDK sends: each must fit one NATS message
 PROTO = "application/x-protobuf"

