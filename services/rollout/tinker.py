@@ -27,6 +27,7 @@ from marlaas.platform import tinker as wire
 from marlaas.platform.adapters import materialize
 from marlaas.platform.bus import Delivery
 from marlaas.platform.events import Blob
+from marlaas.platform.telemetry import span
 
 log = structlog.get_logger("rollout.tinker")
 MAX_ADAPTERS = 8  # Tinker samplers' adapters kept in the engine (beside the jobs')
@@ -51,7 +52,8 @@ class TinkerSampler:
         if await wire.read(self.bus, "future", request.request_id, wire.TinkerFuture) is not None:
             return
         try:
-            async with delivery.keep_alive():
+            async with delivery.keep_alive(), span(self.bus, "rollout", "tinker_sample", wire.span_job(request.tenant),
+                                                   0, sampler=request.sampler.id):
                 body = await self.sample(request)
         except SampleError as exc:
             return await wire.fail(self.bus, self.store, request.request_id, request.tenant, str(exc))
@@ -73,6 +75,9 @@ class TinkerSampler:
         n = int(body.get("num_samples") or 1)
         max_tokens = params.get("max_tokens")
         limit = self.rollout.config.rollout.max_model_len - len(prompt)
+        if limit < 1:
+            raise SampleError(f"the prompt has {len(prompt)} tokens: the engine holds {limit + len(prompt)} "
+                              "(rollout.max_model_len) with the sampled ones; shorten it")
         if not 1 <= n <= 64:
             raise SampleError(f"num_samples is {n}: ask for 1 to 64")
         if max_tokens is None or not 1 <= int(max_tokens) <= limit:

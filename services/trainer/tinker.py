@@ -96,13 +96,13 @@ class TinkerTrainer:
         request = msgspec.json.decode(delivery.data, type=wire.TrainRequest)
         if await wire.read(self.bus, "future", request.request_id, wire.TinkerFuture) is not None:
             return  # done before a crash, or a duplicate: never train twice on one request
-        model = await wire.read(self.bus, "model", request.model_id, wire.TinkerModel)
+        model = await wire.read(self.bus, "model", request.model_id, wire.TinkerModel, request.tenant)
         if model is None or model.tenant != request.tenant:
             return await wire.fail(self.bus, self.store, request.request_id, request.tenant,
                                    f"no model {request.model_id!r}")
         live = await wire.read(self.bus, "live", request.model_id, wire.TinkerLive)
         try:
-            async with span(self.bus, "trainer", f"tinker_{request.kind}", request.tenant, 0,
+            async with span(self.bus, "trainer", f"tinker_{request.kind}", wire.span_job(request.tenant), 0,
                             model=request.model_id, seq_id=request.seq_id):
                 async with delivery.keep_alive():
                     media, body, live = await asyncio.to_thread(self._run, request, model, live)

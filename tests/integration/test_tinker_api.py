@@ -11,7 +11,12 @@ failures with their category; and tenant isolation: another tenant's key sees no
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -23,7 +28,9 @@ from tinker import types  # noqa: E402
 from marlaas.platform import tinker as wire  # noqa: E402
 from marlaas.platform.bus import Bus  # noqa: E402
 from marlaas.platform.config import load_config  # noqa: E402
-from marlaas.stack.launcher import Stack  # noqa: E402
+from marlaas.platform.events import METRIC  # noqa: E402
+from marlaas.sdk import Client, QuotaExceeded  # noqa: E402
+from marlaas.stack.launcher import SERVICES, Stack  # noqa: E402
 from services.gateway.tinker import POLL_S  # noqa: E402
 from tests.tenant_admin import tenant_cli_ok  # noqa: E402
 
@@ -33,8 +40,10 @@ BASE = "builtin:chat"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    config = load_config(overrides={"home": str(tmp_path_factory.mktemp("tinker-home")), "gateway.port": 0}, env={})
-    with Stack(config, services=("manager", "gateway", "trainer", "rollout")) as running:
+    # the cookbook's recipes ask for rank-32 LoRAs, and guess_number's games grow past 512 tokens
+    config = load_config(overrides={"home": str(tmp_path_factory.mktemp("tinker-home")), "gateway.port": 0,
+                                    "rollout.max_lora_rank": 32, "rollout.max_model_len": 1024}, env={})
+    with Stack(config, services=SERVICES) as running:
         yield running
 
 
@@ -248,3 +257,111 @@ def test_a_sdk_client_with_another_tenants_key_fails_cleanly(url, keys, trained)
     with tinker.ServiceClient(base_url=url, api_key=keys["bob"]) as bob:
         with pytest.raises(tinker.NotFoundError):
             bob.create_training_client_from_state(trained["state"]).result()
+
+
+# --- tinker-cookbook recipes, unchanged, offline ---------------------------------------------------
+
+def run_recipe(stack, url, key, tmp_path, module: str, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
+    log_path = tmp_path / module.rsplit(".", 2)[-2]
+    env = {**os.environ, "TINKER_BASE_URL": url, "TINKER_API_KEY": key, "TINKER_TELEMETRY": "0",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", module, f"model_name={stack.resolved.base_model_dir}", "renderer_name=role_colon",
+         f"log_path={log_path}", "behavior_if_log_dir_exists=delete", *args],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=480)
+    return done, log_path
+
+
+def checkpoint_paths(log_path: Path) -> list[str]:
+    lines = (log_path / "checkpoints.jsonl").read_text().splitlines()
+    return [json.loads(line)[key] for line in lines for key in ("state_path", "sampler_path")]
+
+
+@pytest.mark.slow
+def test_the_cookbooks_chat_sl_recipe_runs_unchanged(stack, url, keys, tmp_path):
+    import tinker_cookbook
+
+    conversations = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"
+    done, log_path = run_recipe(stack, url, keys["alice"], tmp_path, "tinker_cookbook.recipes.chat_sl.train",
+                                f"dataset={conversations}", "batch_size=8", "max_steps=4", "save_every=2",
+                                "max_length=512", "eval_every=0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    paths = checkpoint_paths(log_path)
+    assert len(paths) == 4 and all(p.startswith("tinker://") for p in paths), paths
+    assert len((log_path / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+@pytest.mark.slow
+def test_the_cookbooks_guess_number_rl_recipe_runs_unchanged(stack, url, keys, tmp_path):
+    """Multi-turn RL: string stops, ephemeral samplers, importance_sampling, named saves."""
+    done, log_path = run_recipe(stack, url, keys["alice"], tmp_path,
+                                "tinker_cookbook.recipes.multiplayer_rl.guess_number.train",
+                                "group_size=2", "batch_size=2", "max_steps=2", "save_every=1", "eval_every=0",
+                                "max_tokens=16")
+    assert done.returncode == 0, done.stderr[-3000:]
+    paths = checkpoint_paths(log_path)
+    assert paths and all(p.startswith("tinker://") for p in paths), paths
+    with tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as service:  # the checkpoints are real
+        sampler = service.create_sampling_client(model_path=paths[-1]).result()
+        assert sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 1,
+                              types.SamplingParams(max_tokens=2)).result().sequences
+
+
+# --- quotas and the shared engine ------------------------------------------------------------------
+
+SMALL_JOB = {"task": "reverse", "steps": 4, "seed": 3, "grpo": {"prompts_per_step": 4, "group_size": 4}}
+
+
+def spans(stack) -> list:
+    async def read():
+        bus = await Bus.connect(stack.nats_url, name="test-tinker-spans")
+        try:
+            return [METRIC.decode(data) for data in await bus.read_all("METRICS", "marlaas.span.>")]
+        finally:
+            await bus.close()
+
+    return asyncio.run(read())
+
+
+def test_tinker_models_count_against_the_tenants_job_quota(stack, url):
+    out = tenant_cli_ok(stack.home, "add", "dave", "--max-jobs", "1")
+    gateway = url.removesuffix("/tinker")
+    with http(url, out["tinker_api_key"]) as api, Client(gateway, out["token"]) as jobs:
+        session = api.post("/create_session", json={}).json()["session_id"]
+        model = {"session_id": session, "base_model": BASE, "lora_config": {"rank": 4}}
+        assert api.post("/create_model", json={**model, "model_seq_id": 0}).status_code == 200
+        refused = api.post("/create_model", json={**model, "model_seq_id": 1})
+        assert refused.status_code == 429 and "max_jobs = 1" in refused.json()["error"], refused.text
+        with pytest.raises(QuotaExceeded, match="1 Tinker models in live sessions"):
+            jobs.submit({**SMALL_JOB, "steps": 1})
+        assert api.post(f"/sessions/{session}/finish", json={}).status_code == 200
+        jobs.cancel(jobs.submit({**SMALL_JOB, "steps": 1}))  # the session is over: its model no longer counts
+
+
+def test_jobs_and_a_tinker_client_share_the_engine(stack, url):
+    """Two marlaas jobs and a Tinker client of the same tenant at once: all finish, and the Tinker
+    client's samples were in the engine while each job generated (one batch: multi-LoRA)."""
+    out = tenant_cli_ok(stack.home, "add", "erin")
+    gateway = url.removesuffix("/tinker")
+    with Client(gateway, out["token"]) as jobs, \
+            tinker.ServiceClient(base_url=url, api_key=out["tinker_api_key"]) as service:
+        submitted = [jobs.submit({**SMALL_JOB, "seed": seed}) for seed in (11, 12)]
+        client = service.create_lora_training_client(base_model=BASE, rank=8).result()
+        ids = client.get_tokenizer().encode("Reverse the word: planet")
+        steps = 0
+        deadline = time.monotonic() + 300
+        while any(jobs.job(job).state in ("queued", "running") for job in submitted):
+            assert time.monotonic() < deadline, [jobs.job(job) for job in submitted]
+            sampler = client.save_weights_and_get_sampling_client().result()
+            result = sampler.sample(types.ModelInput.from_ints(ids), 4, types.SamplingParams(max_tokens=24)).result()
+            client.forward_backward([ce_datum(ids + list(result.sequences[0].tokens))], "cross_entropy").result()
+            client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+            steps += 1
+        assert [jobs.job(job).state for job in submitted] == ["completed", "completed"]
+        assert steps >= 1
+    recorded = spans(stack)
+    samples = [s for s in recorded if s.job == "erin.tinker" and s.phase == "tinker_sample"]
+    assert samples
+    for job in submitted:
+        generating = [s for s in recorded if s.job == job and s.phase == "generate"]
+        assert any(g.start < s.end and s.start < g.end for g in generating for s in samples), job

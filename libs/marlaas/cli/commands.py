@@ -136,6 +136,7 @@ def cmd_info(args, config) -> int:
             "gateway_url": gateway.read_text().strip() if gateway.exists() else None,
             "nats_url": nats_access.redact_url(nats.read_text().strip()) if nats.exists() else None}
     info["dashboard"] = f"{info['gateway_url']}/ui/" if info["gateway_url"] else None
+    info["tinker_base_url"] = f"{info['gateway_url']}/tinker" if info["gateway_url"] else None  # docs/tinker.md
     if args.json:
         _print_json(info)
     else:

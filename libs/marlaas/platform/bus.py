@@ -82,7 +82,8 @@ VERSIONS_BUCKET = "versions"
 TOOLS_BUCKET = "tools"
 TENANTS_BUCKET = "tenants"
 SAMPLED_BUCKET = "sampled"  # per job: the last version whose batch rollout published
-TINKER_BUCKET = "tinker"  # the Tinker API's sessions, models, samplers, checkpoints, futures
+TINKER_BUCKET = "tinker"  # the Tinker API's sessions, models, samplers, checkpoints
+TINKER_FUTURES_BUCKET = "tinker_futures"  # the Tinker API's finished requests, kept an hour
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ BUCKETS = (
     BucketSpec(TENANTS_BUCKET),
     BucketSpec(SAMPLED_BUCKET, history=1),
     BucketSpec(TINKER_BUCKET, history=1),
+    BucketSpec(TINKER_FUTURES_BUCKET, history=1, ttl_s=3600.0),  # the SDK collects a result in seconds
 )
 
 
@@ -503,16 +505,18 @@ class Bus:
         await self._retrying(f"purge {stream} {subject}",
                              lambda: self.js.purge_stream(stream, subject=subject))
 
-    async def kv_keys(self, bucket: str) -> list[str]:
-        """Every key ever written to ``bucket``, from the server's per-subject counts.
+    async def kv_keys(self, bucket: str, under: str = "") -> list[str]:
+        """Every key ever written to ``bucket`` (only those starting ``under.``, if given), from
+        the server's per-subject counts.
 
         (nats-py's ``kv.keys()`` reads a watcher and can return before it has seen a key
         that was just written; the stream's subject list cannot.)
         """
         await self._bucket(bucket)
         prefix = f"$KV.{bucket}."
+        wanted = f"{prefix}{under}.>" if under else f"{prefix}>"
         info = await self._retrying(f"kv keys {bucket}", lambda: self.js.stream_info(
-            f"KV_{bucket}", subjects_filter=f"{prefix}>"))
+            f"KV_{bucket}", subjects_filter=wanted))
         return sorted(subject[len(prefix):] for subject in (info.state.subjects or {}))
 
     # --- durable consumers ---------------------------------------------------------------

@@ -20,13 +20,14 @@ import time
 
 import msgspec
 
-from marlaas.platform.bus import TINKER_BUCKET, Bus
+from marlaas.platform.bus import TINKER_BUCKET, TINKER_FUTURES_BUCKET, Bus
 from marlaas.platform.events import Blob
 
 TRAIN_SUBJECT = "marlaas.tinker.train"  # .<tenant>: a model's requests, in the order they came
 SAMPLE_SUBJECT = "marlaas.tinker.sample"  # .<tenant>: sampling requests, any order
 INLINE_RESULT_BYTES = 512 * 1024  # a future's body above this goes to the object store
 SDK_VERSION = "0.38.0"  # the tinker SDK the API is written and tested against
+SESSION_LIVE_S = 120.0  # a session not heard from for this long is over (the SDK beats every 10 s)
 
 
 class Wire(msgspec.Struct, frozen=True, kw_only=True):
@@ -128,9 +129,21 @@ class SampleRequest(Wire):
     submitted_at: float = 0.0
 
 
-def key(kind: str, ident: str) -> str:
-    """The bucket key of ``ident`` (any string) of ``kind`` (session, model, sampler, ...)."""
-    return f"{kind}.{hashlib.sha256(ident.encode()).hexdigest()[:40]}"
+def key(kind: str, ident: str, tenant: str = "") -> str:
+    """The bucket key of ``ident`` (any string) of ``kind`` (session, model, sampler, ...); a model's
+    key starts with its tenant's name, so that a tenant's models are counted without reading others'."""
+    digest = hashlib.sha256(ident.encode()).hexdigest()[:40]
+    return f"{kind}.{tenant}.{digest}" if kind == "model" else f"{kind}.{digest}"
+
+
+def span_job(tenant: str) -> str:
+    """The "job" a tenant's Tinker work is recorded under in spans (job ids never end in ``.tinker``:
+    their slugs carry a random suffix)."""
+    return f"{tenant}.tinker"
+
+
+def bucket_of(kind: str) -> str:
+    return TINKER_FUTURES_BUCKET if kind == "future" else TINKER_BUCKET
 
 
 def request_id(scope: str, seq_id: int | None) -> str:
@@ -140,14 +153,34 @@ def request_id(scope: str, seq_id: int | None) -> str:
     return f"{scope}:{seq_id}" if seq_id is not None else f"{scope}:{time.time_ns()}"
 
 
-async def read(bus: Bus, kind: str, ident: str, typ: type):
-    """The record of ``ident`` (None when there is none)."""
-    entry = await bus.kv_get(TINKER_BUCKET, key(kind, ident))
+async def read(bus: Bus, kind: str, ident: str, typ: type, tenant: str = ""):
+    """The record of ``ident`` (None when there is none); a model is read with its tenant's name."""
+    entry = await bus.kv_get(bucket_of(kind), key(kind, ident, tenant))
     return None if entry is None else msgspec.json.decode(entry.value, type=typ)
 
 
 async def write(bus: Bus, kind: str, ident: str, record: msgspec.Struct) -> None:
-    await bus.kv_put(TINKER_BUCKET, key(kind, ident), msgspec.json.encode(record))
+    tenant = record.tenant if kind == "model" else ""
+    await bus.kv_put(bucket_of(kind), key(kind, ident, tenant), msgspec.json.encode(record))
+
+
+async def active_models(bus: Bus, tenant: str, now: float | None = None) -> int:
+    """How many of ``tenant``'s models belong to a live session (not finished, heard from in the
+    last ``SESSION_LIVE_S``): they count against the tenant's ``max_jobs`` as jobs do."""
+    now = time.time() if now is None else now
+    live: dict[str, bool] = {}
+    count = 0
+    for model_key in await bus.kv_keys(TINKER_BUCKET, under=f"model.{tenant}"):
+        entry = await bus.kv_get(TINKER_BUCKET, model_key)
+        if entry is None:
+            continue
+        model = msgspec.json.decode(entry.value, type=TinkerModel)
+        if model.session not in live:
+            session = await read(bus, "session", model.session, TinkerSession)
+            live[model.session] = session is not None and not session.finished and \
+                now - max(session.heartbeat_at, session.created_at) < SESSION_LIVE_S
+        count += live[model.session]
+    return count
 
 
 class CheckpointIndex(Wire):
