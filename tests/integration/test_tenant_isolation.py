@@ -133,6 +133,7 @@ async def test_a_tenant_cannot_hear_or_serve_another_tenants_subjects(acme, serv
     for subject in ("marlaas.policy.committed.other.>", "marlaas.job.state.other.j1",
                     "marlaas.job.*.other.>", "marlaas.tool.other.calc", "marlaas.reward.other.score",
                     "marlaas.trajectory.ready.acme.>", "marlaas.span.acme.>", "_INBOX.>",
+                    "marlaas.tinker.train.other", "marlaas.tinker.sample.>", "$KV.tinker.>",
                     "_INBOX_other.>", "marlaas.>", ">"):
         await acme.nc.subscribe(subject)
         await acme.refused("subscription", subject)
@@ -150,11 +151,14 @@ async def test_a_tenant_cannot_hear_or_serve_another_tenants_subjects(acme, serv
 
 async def test_a_tenant_cannot_publish_on_service_subjects_or_touch_jetstream(acme, services):
     before = {s: (await services.js.stream_info(s)).state.messages
-              for s in ("JOBS", "POLICY", "TRAJ", "METRICS", "KV_jobs", "KV_tenants")}
+              for s in ("JOBS", "POLICY", "TRAJ", "METRICS", "TINKER", "KV_jobs", "KV_tenants", "KV_tinker")}
     for subject in ("marlaas.trajectory.ready.acme.j1", "marlaas.policy.committed.acme.j1",
                     "marlaas.job.submitted.acme.j1", "marlaas.job.state.other.j1", "marlaas.api.submit",
                     "marlaas.span.acme.j1", "marlaas.tool.other.calc", "marlaas.reward.other.score",
                     "$KV.tools.other.calc", "$KV.jobs.acme.j1", "$KV.tenants.acme",
+                    # the Tinker API's work queues and records: only the gateway writes them
+                    "marlaas.tinker.train.acme", "marlaas.tinker.sample.acme", "$KV.tinker.model.acme.x",
+                    "$KV.tinker_futures.future.x",
                     "$JS.API.DIRECT.GET.KV_tenants", "$JS.API.STREAM.MSG.GET.POLICY",
                     "$JS.API.STREAM.INFO.TRAJ", "$JS.API.STREAM.PURGE.KV_tools",
                     "$JS.API.CONSUMER.MSG.NEXT.POLICY.events-other",
