@@ -34,6 +34,7 @@ KEY_PREFIX = tinker_api_key("")  # "tml-"
 POLL_S = 10.0  # a retrieve_future waits this long for a pending future (the SDK's read timeout is 45 s)
 MAX_CHUNK_BYTES = 512 * 1024  # forward_backward chunks the SDK sends: each must fit one NATS message
 PROTO = "application/x-protobuf"
+MAX_SAMPLES = 64  # num_samples of one asample
 
 
 async def tinker_tenant(request: Request) -> TenantRecord:
@@ -57,6 +58,14 @@ async def body_json(request: Request) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     return body
+
+
+def seq_of(body: dict) -> int | None:
+    """The request's ``seq_id`` (the SDK numbers a client's requests from 1; None: unnumbered)."""
+    seq = body.get("seq_id")
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**53):
+        raise ApiError(400, f"seq_id must be a whole number >= 0, not {seq!r}")
+    return seq
 
 
 def field(body: dict, name: str, typ: type):
@@ -129,6 +138,8 @@ async def finish_session(request: Request, tenant: TenantRecord, session_id: str
     gateway = gateway_of(request)
     session = await owned(gateway, tenant, "session", session_id, wire.TinkerSession)
     await wire.write(gateway.bus, "session", session.id, msgspec.structs.replace(session, finished=True))
+    # its ephemeral samplers' weights go with it (named checkpoints stay)
+    await asyncio.to_thread(gateway.store.delete_prefix, wire.session_prefix(tenant.name, session.id) + "/")
     return {"type": "finish_session"}
 
 
@@ -154,6 +165,8 @@ async def create_model(request: Request, tenant: TenantRecord) -> dict:
     if base not in served_names(gateway):
         raise ApiError(400, f"base_model {base!r} is not served here: use one of {sorted(served_names(gateway))}")
     lora = body.get("lora_config") or {}
+    if not isinstance(lora, dict):
+        raise ApiError(400, "lora_config must be an object: {\"rank\": 8, ...}")
     rank = lora.get("rank", 32)
     max_rank = gateway.config.rollout.max_lora_rank
     if not isinstance(rank, int) or not 1 <= rank <= max_rank:
@@ -190,6 +203,9 @@ async def forward_backward(request: Request, tenant: TenantRecord) -> dict:
     except Exception as exc:  # protobuf's DecodeError, or worse on hostile bytes
         raise ApiError(400, f"the body is not a ForwardBackwardRequest ({exc})") from None
     await owned(gateway, tenant, "model", message.model_id, wire.TinkerModel)
+    if message.loss_fn not in wire.LOSSES:
+        raise ApiError(400, f"loss_fn {message.loss_fn!r} is not served here: use one of {', '.join(wire.LOSSES)} "
+                            "(custom losses: forward_backward_custom, which sends cross_entropy weights)")
     return await submit_training(gateway, tenant, message.model_id, "forward_backward", raw, message.seq_id)
 
 
@@ -197,7 +213,7 @@ async def model_request(request: Request, tenant: TenantRecord, kind: str) -> di
     gateway, raw = gateway_of(request), await request.body()
     body = await body_json(request)
     model = await owned(gateway, tenant, "model", field(body, "model_id", str), wire.TinkerModel)
-    return await submit_training(gateway, tenant, model.id, kind, raw, body.get("seq_id"))
+    return await submit_training(gateway, tenant, model.id, kind, raw, seq_of(body))
 
 
 @post("/optim_step", status_code=200)
@@ -228,7 +244,7 @@ async def load_weights(request: Request, tenant: TenantRecord) -> dict:
     checkpoint = await owned(gateway, tenant, "checkpoint", field(body, "path", str), wire.TinkerCheckpoint)
     if body.get("model_id") is not None:
         model = await owned(gateway, tenant, "model", field(body, "model_id", str), wire.TinkerModel)
-        return await submit_training(gateway, tenant, model.id, "load_weights", raw, body.get("seq_id"))
+        return await submit_training(gateway, tenant, model.id, "load_weights", raw, seq_of(body))
     session = await owned(gateway, tenant, "session", field(body, "session_id", str), wire.TinkerSession)
     source = await wire.read(gateway.bus, "model", checkpoint.model_id, wire.TinkerModel, tenant.name)
     model = wire.TinkerModel(
@@ -296,15 +312,17 @@ async def asample(request: Request, tenant: TenantRecord) -> dict:
     body = await body_json(request)
     if body.get("sampling_session_id"):
         sampler = await owned(gateway, tenant, "sampler", field(body, "sampling_session_id", str), wire.TinkerSampler)
-        request_id = wire.request_id(sampler.id, body.get("seq_id"))
+        request_id = wire.request_id(sampler.id, seq_of(body))
     else:  # a one-off sampler of a checkpoint or the base: the request is its own scope
         request_id = f"once-{tenant.name}-{uuid.uuid4().hex}"
         sampler = await sampler_for(gateway, tenant, body, request_id)
+    n = body.get("num_samples", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
+        raise ApiError(400, f"num_samples must be a whole number from 1 to {MAX_SAMPLES}, not {n!r}")
     await gateway.bus.publish(f"{wire.SAMPLE_SUBJECT}.{tenant.name}", msgspec.json.encode(wire.SampleRequest(
         request_id=request_id, tenant=tenant.name, sampler=sampler, body=raw, submitted_at=time.time())),
         msg_id=request_id)
-    n = body.get("num_samples") or 1
-    return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{j}" for j in range(int(n))]}
+    return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{j}" for j in range(n)]}
 
 
 # --- futures ------------------------------------------------------------------------------------

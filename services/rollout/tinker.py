@@ -72,18 +72,31 @@ class TinkerSampler:
                 or body.get("target_prompt_logprobs"):
             raise SampleError("prompt logprobs and top-k logprobs are not served here: sample without them "
                               "(and score prompts with the training client's forward)")
-        n = int(body.get("num_samples") or 1)
-        max_tokens = params.get("max_tokens")
+        n, max_tokens = body.get("num_samples", 1), params.get("max_tokens")
+        vocab = len(self.engine.tokenizer)
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise SampleError(f"the prompt holds token ids outside 0..{vocab - 1}, the base model's vocabulary")
+        numbers = {k: params.get(k, d) for k, d in (("temperature", 1.0), ("top_p", 1.0), ("top_k", -1), ("seed", 0))}
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in numbers.values() if v is not None) \
+                or not isinstance(n, int) or not isinstance(max_tokens, (int, type(None))):
+            raise SampleError("num_samples, max_tokens, top_k and seed must be whole numbers; temperature and "
+                              "top_p numbers")
+        if not 0 <= numbers["temperature"] <= 100 or not 0 < numbers["top_p"] <= 1:
+            raise SampleError("temperature must be 0 to 100, top_p above 0 and at most 1")
         limit = self.rollout.config.rollout.max_model_len - len(prompt)
         if limit < 1:
             raise SampleError(f"the prompt has {len(prompt)} tokens: the engine holds {limit + len(prompt)} "
                               "(rollout.max_model_len) with the sampled ones; shorten it")
-        if not 1 <= n <= 64:
+        if not 1 <= n <= 64:  # the gateway refuses more (services/gateway/tinker.py, MAX_SAMPLES)
             raise SampleError(f"num_samples is {n}: ask for 1 to 64")
-        if max_tokens is None or not 1 <= int(max_tokens) <= limit:
+        if max_tokens is None or not 1 <= max_tokens <= limit:
             raise SampleError(f"sampling_params.max_tokens must be set, 1 to {limit} (the engine's "
                               f"max_model_len less the {len(prompt)}-token prompt)")
         stop = params.get("stop")
+        if not (stop is None or isinstance(stop, str) or isinstance(stop, list) and len(stop) <= 16 and all(
+                isinstance(s, str) and 0 < len(s) <= 256 or isinstance(s, int) and 0 <= s < vocab for s in stop)):
+            raise SampleError("sampling_params.stop must be a string, or at most 16 strings (1-256 characters) or "
+                              "token ids")
         stop_strings = [stop] if isinstance(stop, str) else [s for s in stop or [] if isinstance(s, str)]
         stop_ids = [s for s in stop or [] if isinstance(s, int)] if not isinstance(stop, str) else []
         seed = params.get("seed")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 
 import msgspec
 import numpy as np
@@ -27,7 +28,7 @@ import torch
 from tinker.proto import tinker_public_pb2 as pb
 
 from marlaas.platform import tinker as wire
-from marlaas.platform.adapters import attempt_prefix, init_adapter, read_adapter, write_adapter
+from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE, init_adapter, read_adapter
 from marlaas.platform.bus import Bus, Delivery
 from marlaas.platform.events import GrpoSettings, LoraSettings
 from marlaas.platform.store import ObjectStore
@@ -39,6 +40,8 @@ log = structlog.get_logger("trainer.tinker")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 LORA_ALPHA = 32  # Tinker's
+ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+                 "grad_clip_norm": 0.0}  # the SDK's AdamParams
 
 
 class UserError(Exception):
@@ -88,9 +91,11 @@ class TinkerTrainer:
     """Runs Tinker models' training requests on the trainer's policy."""
 
     def __init__(self, bus: Bus, store: ObjectStore, policy: PolicyTrainer, base_model_dir,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, max_tokens: int) -> None:
         self.bus, self.store, self.policy, self.base_model_dir = bus, store, policy, base_model_dir
         self.loop = loop  # the bus's: the request's thread reads and writes records through it
+        self.max_tokens = max_tokens  # a datum's longest input (rollout.max_model_len)
+        self.vocab = policy.base.get_input_embeddings().num_embeddings
 
     async def handle(self, delivery: Delivery) -> None:
         request = msgspec.json.decode(delivery.data, type=wire.TrainRequest)
@@ -115,7 +120,10 @@ class TinkerTrainer:
             return await wire.fail(self.bus, self.store, request.request_id, request.tenant,
                                    f"the trainer failed on {request.kind}: {exc!r}", category="server")
         if live is not None:
+            previous = await wire.read(self.bus, "live", request.model_id, wire.TinkerLive)
             await wire.write(self.bus, "live", request.model_id, live)
+            if previous is not None and previous.adapter is not None and previous.adapter != live.adapter:
+                await asyncio.to_thread(self.store.delete_prefix, self.store.key_of(previous.adapter.uri).rsplit("/", 1)[0] + "/")
         await wire.finish(self.bus, self.store, wire.TinkerFuture(
             request_id=request.request_id, tenant=request.tenant, media=media, body=body))
 
@@ -144,12 +152,18 @@ class TinkerTrainer:
                     return "json", b'{"type": "unload_model"}', None
         raise UserError(f"unknown request kind {request.kind!r}")
 
+    def _put(self, prefix: str, config_json: bytes, weights: bytes, optimizer: bytes | None = None):
+        """PEFT's two files (and the optimizer state) under a fresh ``prefix``: (adapter, optimizer) Blobs."""
+        self.store.put_bytes(f"{prefix}/{CONFIG_FILE}", config_json)
+        adapter = self.store.put_bytes(f"{prefix}/{WEIGHTS_FILE}", weights)
+        state = self.store.put_bytes(f"{prefix}/adamw.pt", optimizer) if optimizer is not None else None
+        return adapter, state
+
     def _write_live(self, model: wire.TinkerModel, steps: int) -> wire.TinkerLive:
-        config_json, weights, optimizer = self.policy.export(job_name(model.id))
-        adapter = write_adapter(self.store, f"tinker-{model.tenant}", steps, config_json, weights)
-        blob = self.store.put_bytes(attempt_prefix("optimizer", f"tinker-{model.tenant}", steps) + "/adamw.pt",
-                                    optimizer)
-        return wire.TinkerLive(model_id=model.id, steps=steps, adapter=adapter, optimizer=blob)
+        """The model's state after ``steps`` steps, under a fresh prefix (the caller deletes the last one)."""
+        adapter, state = self._put(wire.model_prefix(model, "live", f"{steps:06d}-{uuid.uuid4().hex[:12]}"),
+                                   *self.policy.export(job_name(model.id)))
+        return wire.TinkerLive(model_id=model.id, steps=steps, adapter=adapter, optimizer=state)
 
     def _create(self, model: wire.TinkerModel) -> tuple[bytes, wire.TinkerLive]:
         config_json, weights = init_adapter(self.base_model_dir, lora_settings(model), model.seed or 0)
@@ -205,8 +219,13 @@ class TinkerTrainer:
                     raise UserError(f"datum {i}: loss_fn_inputs['target_tokens'] must hold one token per input "
                                     f"token ({tokens_T.numel()}); it holds "
                                     f"{'none' if targets_T is None else targets_T.numel()}")
-                if tokens_T.numel() == 0:
-                    raise UserError(f"datum {i} has no tokens")
+                if not 0 < tokens_T.numel() <= self.max_tokens:
+                    raise UserError(f"datum {i} has {tokens_T.numel()} tokens: send 1 to {self.max_tokens} "
+                                    "(rollout.max_model_len)")
+                for name, ids in (("model_input", tokens_T), ("target_tokens", targets_T)):
+                    if ids.min() < 0 or ids.max() >= self.vocab:
+                        raise UserError(f"datum {i}: {name} holds token ids outside 0..{self.vocab - 1}, the "
+                                        "base model's vocabulary")
                 logprobs_T = self.policy.target_logprobs(job, tokens_T, targets_T)
                 loss, out = datum_loss(request.loss_fn, logprobs_T, inputs, config)
                 if not torch.isfinite(loss):
@@ -225,24 +244,29 @@ class TinkerTrainer:
 
     def _optim_step(self, model: wire.TinkerModel, live: wire.TinkerLive, body: dict) -> tuple[bytes, wire.TinkerLive]:
         params = body.get("adam_params") or body.get("optim_params") or {}
-        if body.get("optimizer_params") is not None or params.get("type", "adamw") != "adamw":
+        if body.get("optimizer_params") is not None or not isinstance(params, dict) \
+                or params.get("type", "adamw") != "adamw":
             raise UserError("only AdamW (adam_params) is served")
+        values = {name: params.get(name, default) for name, default in ADAM_DEFAULTS.items()}
+        bad = [name for name, v in values.items()
+               if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0]
+        if bad or not values["beta1"] < 1 or not values["beta2"] < 1:
+            raise UserError(f"adam_params {bad or ['beta1', 'beta2']} must be finite numbers >= 0 (betas below 1)")
         job = job_name(model.id)
         metrics = self.policy.adam_step(
-            job, float(params.get("learning_rate", 1e-4)),
-            (float(params.get("beta1", 0.9)), float(params.get("beta2", 0.95))),
-            float(params.get("eps", 1e-12)), float(params.get("weight_decay", 0.0)),
-            float(params.get("grad_clip_norm", 0.0)))
+            job, float(values["learning_rate"]), (float(values["beta1"]), float(values["beta2"])),
+            float(values["eps"]), float(values["weight_decay"]), float(values["grad_clip_norm"]))
         self.policy.pinned.discard(job)
         live = self._write_live(model, live.steps + 1)
         return msgspec.json.encode({"metrics": {f"{k}:mean": v for k, v in metrics.items()}}), live
 
     def _save(self, model: wire.TinkerModel, kind: str, body: dict) -> bytes:
         config_json, weights, optimizer = self.policy.export(job_name(model.id))
-        adapter = write_adapter(self.store, f"tinker-{model.tenant}", 0, config_json, weights)
         name = body.get("path")
         if kind == "save_weights_for_sampler" and name is None:  # ephemeral: a sampler, no checkpoint
             seq = body.get("sampling_session_seq_id")
+            adapter, _ = self._put(wire.session_prefix(model.tenant, model.session, "samplers", uuid.uuid4().hex[:12]),
+                                   config_json, weights)
             sampler = wire.TinkerSampler(id=f"{model.session}:sample:{seq}", tenant=model.tenant,
                                          base_model=model.base_model, adapter=adapter)
             self._wait(wire.write(self.bus, "sampler", sampler.id, sampler))
@@ -250,10 +274,8 @@ class TinkerTrainer:
                                         "type": "save_weights_for_sampler"})
         segment = "sampler_weights" if kind == "save_weights_for_sampler" else "weights"
         path = f"tinker://{model.id}/{segment}/{name}"
-        state = None
-        if kind == "save_weights":
-            state = self.store.put_bytes(attempt_prefix("optimizer", f"tinker-{model.tenant}", 0) + "/adamw.pt",
-                                         optimizer)
+        adapter, state = self._put(wire.model_prefix(model, "checkpoints", uuid.uuid4().hex[:12]), config_json, weights,
+                                   optimizer if kind == "save_weights" else None)
         checkpoint = wire.TinkerCheckpoint(path=path, tenant=model.tenant, model_id=model.id,
                                            kind="sampler" if state is None else "state", adapter=adapter,
                                            optimizer=state, rank=model.rank, created_at=time.time())
@@ -267,6 +289,7 @@ class TinkerTrainer:
 
 async def run_tinker(rt, policy: PolicyTrainer) -> None:
     """Take Tinker training requests until ``rt.stop``."""
-    trainer = TinkerTrainer(rt.bus, rt.store, policy, rt.config.base_model_dir, asyncio.get_running_loop())
+    trainer = TinkerTrainer(rt.bus, rt.store, policy, rt.config.base_model_dir, asyncio.get_running_loop(),
+                            rt.config.rollout.max_model_len)
     await rt.bus.consume("TINKER", "trainer-tinker", f"{wire.TRAIN_SUBJECT}.>", trainer.handle, stop=rt.stop,
                          ack_wait_s=rt.config.trainer.ack_wait_s, concurrency=1, max_deliver=3)

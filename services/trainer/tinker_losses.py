@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-LOSSES = ("cross_entropy", "importance_sampling", "ppo")
+from marlaas.platform.tinker import LOSSES
 INPUTS = {
     "cross_entropy": ("target_tokens", "weights"),
     "importance_sampling": ("target_tokens", "logprobs", "advantages"),

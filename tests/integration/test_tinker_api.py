@@ -11,6 +11,7 @@ failures with their category; and tenant isolation: another tenant's key sees no
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import subprocess
@@ -29,6 +30,7 @@ from marlaas.platform import tinker as wire  # noqa: E402
 from marlaas.platform.bus import Bus  # noqa: E402
 from marlaas.platform.config import load_config  # noqa: E402
 from marlaas.platform.events import METRIC  # noqa: E402
+from marlaas.platform.store import open_store  # noqa: E402
 from marlaas.sdk import Client, QuotaExceeded  # noqa: E402
 from marlaas.stack.launcher import SERVICES, Stack  # noqa: E402
 from services.gateway.tinker import POLL_S  # noqa: E402
@@ -152,23 +154,66 @@ def test_samples_come_with_the_trained_adapters_logprobs(service, trained):
     assert list(again.sequences[0].tokens) == list(result.sequences[0].tokens)
 
 
+def test_stop_tokens_and_strings_end_a_sample_and_are_in_it(service, trained):
+    sampler = service.create_sampling_client(model_path=trained["sampler"]).result()
+    prompt, decode = types.ModelInput.from_ints(trained["ids"][:6]), trained["tokenizer"].decode
+
+    def greedy(stop):
+        params = types.SamplingParams(max_tokens=12, temperature=0.0, stop=stop)
+        return sampler.sample(prompt, 1, params).result().sequences[0]
+
+    free = list(greedy([]).tokens)  # [] stops at nothing, not even the end of sequence
+    assert len(free) == 12
+    k = next(i for i in range(1, 12) if free[i] not in free[:i] and decode([free[i]]).strip()
+             and decode([free[i]]) not in decode(free[:i]))
+    by_id, by_text = greedy([free[k]]), greedy([decode([free[k]])])
+    assert list(by_id.tokens) == free[:k + 1] and by_id.stop_reason == "stop"
+    assert list(by_text.tokens) == free[:k + 1] and by_text.stop_reason == "stop"
+    assert len(by_text.logprobs) == k + 1
+
+
+def test_only_a_models_last_state_is_kept_and_a_finished_sessions_samplers_go(stack, url, keys):
+    store = open_store(stack.resolved.store_url)
+    with tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as service:
+        client = service.create_lora_training_client(base_model=BASE, rank=4).result()
+        ids = client.get_tokenizer().encode("Lima is the capital of Peru.")
+        for _ in range(3):
+            client.forward_backward([ce_datum(ids)], "cross_entropy").result()
+            client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        client.save_weights_and_get_sampling_client().result()
+        model_id = client.model_id
+        session = model_id.split(":")[0]
+        digest = hashlib.sha256(model_id.encode()).hexdigest()[:24]
+        live = store.list(f"tinker/alice/models/{digest}/live/")
+        assert sorted(key.rsplit("/", 1)[-1] for key in live) == ["adamw.pt", "adapter_config.json",
+                                                                   "adapter_model.safetensors"], live
+        assert store.list(f"tinker/alice/sessions/{session}/samplers/")
+    assert store.list(f"tinker/alice/sessions/{session}/") == []  # the session finished with the client
+
+
 def test_a_new_client_resumes_from_saved_state_and_checkpoints_are_listed(service, url, keys, trained):
     resumed = service.create_training_client_from_state_with_optimizer(trained["state"]).result()
     loss = resumed.forward([ce_datum(trained["ids"])], "cross_entropy").result().metrics["loss:sum"]
     assert loss == pytest.approx(trained["losses"][-1], rel=1e-4)
+    fresh = service.create_training_client_from_state(trained["state"]).result()  # weights only
+    assert fresh.forward([ce_datum(trained["ids"])], "cross_entropy").result().metrics["loss:sum"] == \
+        pytest.approx(loss, rel=1e-4)
     listed = tinker.RestClient(base_url=url, api_key=keys["alice"]).list_checkpoints(trained["client"].model_id).result()
     assert {c.tinker_path for c in listed.checkpoints} == {trained["state"], trained["sampler"]}
 
 
 def test_failures_are_request_failed_with_a_category(service, trained):
     client, ids = trained["client"], trained["ids"]
-    with pytest.raises(tinker.RequestFailedError, match="cross_entropy, importance_sampling, ppo") as failed:
+    with pytest.raises(tinker.BadRequestError, match="cross_entropy, importance_sampling, ppo"):
         client.forward_backward([ce_datum(ids)], "cispo").result()
-    assert failed.value.category.value == "user"
     no_weights = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
                              loss_fn_inputs={"target_tokens": ids[1:], "advantages": [1.0] * (len(ids) - 1)})
-    with pytest.raises(tinker.RequestFailedError, match="'logprobs' is missing"):
+    with pytest.raises(tinker.RequestFailedError, match="'logprobs' is missing") as failed:
         client.forward([no_weights], "ppo").result()
+    assert failed.value.category.value == "user"
+    with pytest.raises(tinker.RequestFailedError, match="image") as failed:  # a text model
+        client.forward([types.Datum(model_input=types.ModelInput(chunks=[types.ImageChunk(data=b"x", format="png", expected_tokens=1)]),
+                                    loss_fn_inputs={"target_tokens": [1], "weights": [1.0]})], "cross_entropy").result()
     with pytest.raises(tinker.BadRequestError, match="not served here"):
         service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=8).result()
 
@@ -365,3 +410,30 @@ def test_jobs_and_a_tinker_client_share_the_engine(stack, url):
     for job in submitted:
         generating = [s for s in recorded if s.job == job and s.phase == "generate"]
         assert any(g.start < s.end and s.start < g.end for g in generating for s in samples), job
+
+
+def test_hostile_requests_get_clear_errors_and_the_model_keeps_working(url, keys, trained):
+    client, model_id = trained["client"], trained["client"].model_id
+    proto = {"Content-Type": "application/x-protobuf"}
+    with http(url, keys["alice"]) as api:
+        for path, kwargs, says in (
+            ("/forward_backward", {"content": b"\xff" * 64, "headers": proto}, "not a ForwardBackwardRequest"),
+            ("/forward_backward", {"json": {"model_id": model_id}}, "protobuf"),
+            ("/asample", {"json": {"base_model": BASE, "num_samples": "many"}}, "num_samples"),
+            ("/create_model", {"json": {"session_id": model_id.split(":")[0], "model_seq_id": 9,
+                                        "base_model": BASE, "lora_config": "big"}}, "lora_config"),
+            ("/optim_step", {"json": {"model_id": model_id, "seq_id": "x"}}, "seq_id"),
+            ("/retrieve_future", {"content": b"{not json"}, "not JSON"),
+        ):
+            answer = api.post(path, **kwargs)
+            assert answer.status_code == 400 and says in answer.json()["error"], (path, answer.text)
+        prompt = {"chunks": [{"type": "encoded_text", "tokens": [10**9]}]}
+        sampled = api.post("/asample", json={"base_model": BASE, "prompt": prompt,
+                                             "sampling_params": {"max_tokens": 4}}).json()
+        failed = retrieve(api, sampled["request_id"]).json()
+        assert failed["category"] == "user" and "vocabulary" in failed["error"], failed
+    with pytest.raises(tinker.RequestFailedError, match="vocabulary"):
+        client.forward([ce_datum([1, 2, 10**7])], "cross_entropy").result()
+    with pytest.raises(tinker.RequestFailedError, match="adam_params"):
+        client.optim_step(types.AdamParams(learning_rate=-1.0)).result()
+    assert client.forward([ce_datum(trained["ids"])], "cross_entropy").result().metrics["loss:sum"] > 0

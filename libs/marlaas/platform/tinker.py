@@ -27,6 +27,7 @@ TRAIN_SUBJECT = "marlaas.tinker.train"  # .<tenant>: a model's requests, in the 
 SAMPLE_SUBJECT = "marlaas.tinker.sample"  # .<tenant>: sampling requests, any order
 INLINE_RESULT_BYTES = 512 * 1024  # a future's body above this goes to the object store
 SDK_VERSION = "0.38.0"  # the tinker SDK the API is written and tested against
+LOSSES = ("cross_entropy", "importance_sampling", "ppo")  # served (services/trainer/tinker_losses.py)
 SESSION_LIVE_S = 120.0  # a session not heard from for this long is over (the SDK beats every 10 s)
 
 
@@ -136,6 +137,17 @@ def key(kind: str, ident: str, tenant: str = "") -> str:
     return f"{kind}.{tenant}.{digest}" if kind == "model" else f"{kind}.{digest}"
 
 
+def model_prefix(model: TinkerModel, *parts: str) -> str:
+    """Where a model's objects go in the store: its live state (only the last step's is kept) and
+    its checkpoints."""
+    return "/".join(("tinker", model.tenant, "models", hashlib.sha256(model.id.encode()).hexdigest()[:24], *parts))
+
+
+def session_prefix(tenant: str, session: str, *parts: str) -> str:
+    """Where a session's ephemeral sampler weights go: deleted when the session finishes."""
+    return "/".join(("tinker", tenant, "sessions", session, *parts))
+
+
 def span_job(tenant: str) -> str:
     """The "job" a tenant's Tinker work is recorded under in spans (job ids never end in ``.tinker``:
     their slugs carry a random suffix)."""
@@ -201,7 +213,7 @@ async def index(bus: Bus, tenant: str, model_id: str, path: str) -> None:
 async def finish(bus: Bus, store, future: TinkerFuture) -> None:
     """Record a finished request; a body too large for the bucket goes to the object store."""
     if len(future.body) > INLINE_RESULT_BYTES:
-        blob = store.put_bytes(f"tinker/futures/{hashlib.sha256(future.request_id.encode()).hexdigest()}",
+        blob = store.put_bytes(f"tinker/{future.tenant}/futures/{hashlib.sha256(future.request_id.encode()).hexdigest()}",
                                future.body)
         future = msgspec.structs.replace(future, body=b"", blob=blob)
     await write(bus, "future", future.request_id, msgspec.structs.replace(future, done_at=time.time()))
