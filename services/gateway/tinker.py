@@ -145,7 +145,10 @@ async def finish_session(request: Request, tenant: TenantRecord, session_id: str
 
 @post("/get_server_capabilities", status_code=200)
 async def capabilities(request: Request, tenant: TenantRecord) -> dict:
-    return {"supported_models": [{"model_name": name} for name in sorted(served_names(gateway_of(request)))]}
+    gateway = gateway_of(request)
+    return {"supported_models": [{"model_name": name, "max_context_length": gateway.config.rollout.max_model_len,
+                                  "trainable": True, "sampleable": True}
+                                 for name in sorted(served_names(gateway))]}
 
 
 @post("/telemetry", status_code=200)
