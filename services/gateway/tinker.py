@@ -21,7 +21,7 @@ import time
 import uuid
 
 import msgspec
-from litestar import Request, Response, Router, get, post
+from litestar import Request, Response, Router, delete, get, post
 from litestar.di import Provide
 from tinker.proto import tinker_public_pb2 as pb
 
@@ -277,6 +277,20 @@ async def list_checkpoints(request: Request, tenant: TenantRecord, model_id: str
     return {"checkpoints": listed, "cursor": None}
 
 
+@delete("/training_runs/{model_id:str}/checkpoints/{checkpoint_id:path}", status_code=200)
+async def delete_checkpoint(request: Request, tenant: TenantRecord, model_id: str, checkpoint_id: str) -> dict:
+    """Delete a checkpoint (``weights/NAME`` or ``sampler_weights/NAME``): its record and its objects;
+    samplers made from it stop working."""
+    gateway = gateway_of(request)
+    path = f"tinker://{model_id}/{checkpoint_id.lstrip('/')}"
+    checkpoint = await owned(gateway, tenant, "checkpoint", path, wire.TinkerCheckpoint)
+    await wire.unindex(gateway.bus, tenant.name, model_id, path)
+    await gateway.bus.kv_delete(wire.TINKER_BUCKET, wire.key("checkpoint", path))
+    folder = gateway.store.key_of(checkpoint.adapter.uri).rsplit("/", 1)[0] + "/"
+    await asyncio.to_thread(gateway.store.delete_prefix, folder)
+    return {}
+
+
 # --- sampling -----------------------------------------------------------------------------------
 
 @post("/create_sampling_session", status_code=200)
@@ -362,7 +376,7 @@ TINKER_ROUTER = Router(
     path="/tinker/api/v1",
     route_handlers=[client_config, create_session, session_heartbeat, finish_session, capabilities, telemetry,
                     create_model, get_info, forward_backward, optim_step, save_weights, save_weights_for_sampler,
-                    unload_model, load_weights, list_checkpoints, create_sampling_session, get_sampler, asample,
+                    unload_model, load_weights, list_checkpoints, delete_checkpoint, create_sampling_session, get_sampler, asample,
                     retrieve_future],
     dependencies={"tenant": Provide(tinker_tenant)}, include_in_schema=False,
 )

@@ -204,6 +204,20 @@ def test_a_new_client_resumes_from_saved_state_and_checkpoints_are_listed(servic
     assert {c.tinker_path for c in listed.checkpoints} == {trained["state"], trained["sampler"]}
 
 
+def test_a_deleted_checkpoint_is_gone_from_the_listing_and_the_store(stack, url, keys, trained):
+    client = trained["client"]
+    doomed = client.save_weights_for_sampler("doomed").result().path
+    rest = tinker.RestClient(base_url=url, api_key=keys["alice"])
+    assert doomed in {c.tinker_path for c in rest.list_checkpoints(client.model_id).result().checkpoints}
+    store = open_store(stack.resolved.store_url)
+    before = len(store.list("tinker/alice/models/"))
+    rest.delete_checkpoint_from_tinker_path(doomed).result()
+    assert doomed not in {c.tinker_path for c in rest.list_checkpoints(client.model_id).result().checkpoints}
+    assert len(store.list("tinker/alice/models/")) == before - 2  # its adapter's two files
+    with pytest.raises(tinker.NotFoundError):
+        rest.delete_checkpoint_from_tinker_path(doomed).result()
+
+
 def test_failures_are_request_failed_with_a_category(service, trained):
     client, ids = trained["client"], trained["ids"]
     with pytest.raises(tinker.BadRequestError, match="cross_entropy, importance_sampling, ppo"):

@@ -210,6 +210,14 @@ async def index(bus: Bus, tenant: str, model_id: str, path: str) -> None:
     await write(bus, "checkpoints", model_id, CheckpointIndex(model_id=model_id, tenant=tenant, paths=paths))
 
 
+async def unindex(bus: Bus, tenant: str, model_id: str, path: str) -> None:
+    """Take ``path`` off its model's checkpoint list."""
+    found = await read(bus, "checkpoints", model_id, CheckpointIndex)
+    if found is not None:
+        await write(bus, "checkpoints", model_id, CheckpointIndex(
+            model_id=model_id, tenant=tenant, paths=[p for p in found.paths if p != path]))
+
+
 async def finish(bus: Bus, store, future: TinkerFuture) -> None:
     """Record a finished request; a body too large for the bucket goes to the object store."""
     if len(future.body) > INLINE_RESULT_BYTES:
