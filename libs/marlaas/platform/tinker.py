@@ -85,12 +85,14 @@ class TinkerSampler(Wire):
 
 
 class TinkerLive(Wire):
-    """The trainer's record of a model: its state as of the last optimizer step."""
+    """The trainer's record of a model: its state as of the last optimizer step, and its progress."""
 
     model_id: str
-    steps: int = 0
+    steps: int = 0  # the weights' version: optimizer steps, and loads into the model
     adapter: Blob | None = None
     optimizer: Blob | None = None
+    last_seq: int = 0  # the last of the model's requests done (they are done in seq_id order)
+    holder: str = ""  # the trainer replica holding gradients not yet stepped ("" = none)
 
 
 class TinkerFuture(Wire):
