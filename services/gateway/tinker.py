@@ -137,9 +137,7 @@ async def session_heartbeat(request: Request, tenant: TenantRecord) -> dict:
 async def finish_session(request: Request, tenant: TenantRecord, session_id: str) -> dict:
     gateway = gateway_of(request)
     session = await owned(gateway, tenant, "session", session_id, wire.TinkerSession)
-    await wire.write(gateway.bus, "session", session.id, msgspec.structs.replace(session, finished=True))
-    # its ephemeral samplers' weights go with it (named checkpoints stay)
-    await asyncio.to_thread(gateway.store.delete_prefix, wire.session_prefix(tenant.name, session.id) + "/")
+    await wire.end_session(gateway.bus, gateway.store, session)
     return {"type": "finish_session"}
 
 

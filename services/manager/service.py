@@ -10,6 +10,7 @@ room frees up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 import uuid
@@ -18,7 +19,7 @@ from collections.abc import Callable
 import msgspec
 import structlog
 
-from marlaas.platform import api
+from marlaas.platform import api, tinker
 from marlaas.platform.adapters import init_adapter, write_adapter
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery, StaleRevision
 from marlaas.platform.commits import announce
@@ -599,4 +600,17 @@ async def run(rt: Runtime) -> None:
         rt.bus.consume("JOBS", "manager-warnings", "marlaas.job.warning.>", manager.on_job_event,
                        stop=rt.stop),
         rt.bus.consume("JOBS", "manager-evals", "marlaas.job.eval.>", manager.on_job_event, stop=rt.stop),
+        sweep_tinker_sessions(rt.bus, rt.store, rt.stop),
     )
+
+
+async def sweep_tinker_sessions(bus, store, stop: asyncio.Event) -> None:
+    """End the Tinker sessions whose clients went silent (``marlaas.platform.tinker.sweep_sessions``)."""
+    while not stop.is_set():
+        try:
+            for session in await tinker.sweep_sessions(bus, store):
+                log.info("tinker session ended: its client went silent", session=session)
+        except Exception:
+            log.exception("sweeping tinker sessions failed; trying again later")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), tinker.SWEEP_EVERY_S)

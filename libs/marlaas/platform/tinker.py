@@ -15,6 +15,7 @@ its live adapter and optimizer state are written to the object store after every
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 
@@ -28,7 +29,9 @@ SAMPLE_SUBJECT = "marlaas.tinker.sample"  # .<tenant>: sampling requests, any or
 INLINE_RESULT_BYTES = 512 * 1024  # a future's body above this goes to the object store
 SDK_VERSION = "0.38.0"  # the tinker SDK the API is written and tested against
 LOSSES = ("cross_entropy", "importance_sampling", "ppo")  # served (services/trainer/tinker_losses.py)
-SESSION_LIVE_S = 120.0  # a session not heard from for this long is over (the SDK beats every 10 s)
+SESSION_LIVE_S = 120.0  # a session not heard from for this long no longer counts (the SDK beats every 10 s)
+SESSION_EXPIRE_S = 600.0  # ... and is ended after this long, its ephemeral weights deleted
+SWEEP_EVERY_S = 60.0
 
 
 class Wire(msgspec.Struct, frozen=True, kw_only=True):
@@ -176,6 +179,29 @@ async def read(bus: Bus, kind: str, ident: str, typ: type, tenant: str = ""):
 async def write(bus: Bus, kind: str, ident: str, record: msgspec.Struct) -> None:
     tenant = record.tenant if kind == "model" else ""
     await bus.kv_put(bucket_of(kind), key(kind, ident, tenant), msgspec.json.encode(record))
+
+
+async def end_session(bus: Bus, store, session: TinkerSession) -> None:
+    """Finish ``session``: its models stop counting against the quota, its ephemeral samplers'
+    weights are deleted (named checkpoints stay)."""
+    await write(bus, "session", session.id, msgspec.structs.replace(session, finished=True))
+    await asyncio.to_thread(store.delete_prefix, session_prefix(session.tenant, session.id) + "/")
+
+
+async def sweep_sessions(bus: Bus, store, now: float | None = None) -> list[str]:
+    """End every session not heard from for ``SESSION_EXPIRE_S`` (its client died without finishing
+    it); return their ids. The manager runs this every ``SWEEP_EVERY_S``."""
+    now = time.time() if now is None else now
+    ended = []
+    for session_key in await bus.kv_keys(TINKER_BUCKET, under="session"):
+        entry = await bus.kv_get(TINKER_BUCKET, session_key)
+        if entry is None:
+            continue
+        session = msgspec.json.decode(entry.value, type=TinkerSession)
+        if not session.finished and now - max(session.heartbeat_at, session.created_at) > SESSION_EXPIRE_S:
+            await end_session(bus, store, session)
+            ended.append(session.id)
+    return ended
 
 
 async def active_models(bus: Bus, tenant: str, now: float | None = None) -> int:
