@@ -26,9 +26,12 @@ from litestar.di import Provide
 from tinker.proto import tinker_public_pb2 as pb
 
 from marlaas.platform import tinker as wire
+from marlaas.platform.adapters import read_adapter
+from marlaas.platform.store import ObjectNotFound
 from marlaas.platform.tenants import TenantRecord, authenticate, tinker_api_key
 from services.gateway.app import ApiError, Gateway, gateway_of
 from services.gateway.reads import tenant_records
+from services.gateway.views import adapter_archive
 
 KEY_PREFIX = tinker_api_key("")  # "tml-"
 POLL_S = 10.0  # a retrieve_future waits this long for a pending future (the SDK's read timeout is 45 s)
@@ -370,6 +373,24 @@ async def owner_check(gateway: Gateway, tenant: TenantRecord, request_id: str) -
     if session is None or session.tenant != tenant.name:
         raise ApiError(404, f"no request {request_id!r}")
 
+
+@get("/tinker/checkpoint", summary="A Tinker checkpoint's weights as a .tar.gz of the PEFT directory",
+     description="?path=tinker://<model>/<weights|sampler_weights>/<name>: one of the tenant's Tinker checkpoints "
+                 "(`marlaas pull tinker://...`).", response_description="application/gzip")
+async def download_checkpoint(request: Request, tenant: TenantRecord, path: str) -> Response:
+    gateway = gateway_of(request)
+    checkpoint = await owned(gateway, tenant, "checkpoint", path, wire.TinkerCheckpoint)
+    try:
+        config_json, weights = await asyncio.to_thread(read_adapter, gateway.store, checkpoint.adapter)
+    except ObjectNotFound:
+        raise ApiError(404, f"the weights of {path} are no longer stored") from None
+    data = await asyncio.to_thread(adapter_archive, config_json, weights, checkpoint.created_at)
+    name = path.removeprefix("tinker://").replace("/", "-").replace(":", "-")
+    return Response(data, media_type="application/gzip", headers={
+        "Content-Disposition": f'attachment; filename="{name}.tar.gz"', "X-Adapter-Sha256": checkpoint.adapter.sha256})
+
+
+CHECKPOINT_ROUTES = [download_checkpoint]  # under /v1, with the tenant's bearer token
 
 TINKER_ROUTER = Router(
     path="/tinker/api/v1",

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import torch
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -31,7 +32,7 @@ from marlaas.platform.bus import Bus  # noqa: E402
 from marlaas.platform.config import load_config  # noqa: E402
 from marlaas.platform.events import METRIC  # noqa: E402
 from marlaas.platform.store import open_store  # noqa: E402
-from marlaas.sdk import Client, QuotaExceeded  # noqa: E402
+from marlaas.sdk import Client, NotFound, QuotaExceeded  # noqa: E402
 from marlaas.stack.launcher import SERVICES, Stack  # noqa: E402
 from services.gateway.tinker import POLL_S  # noqa: E402
 from tests.tenant_admin import tenant_cli_ok  # noqa: E402
@@ -205,6 +206,23 @@ def test_a_new_client_resumes_from_saved_state_and_checkpoints_are_listed(servic
         pytest.approx(loss, rel=1e-4)
     listed = tinker.RestClient(base_url=url, api_key=keys["alice"]).list_checkpoints(trained["client"].model_id).result()
     assert {c.tinker_path for c in listed.checkpoints} == {trained["state"], trained["sampler"]}
+
+
+def test_a_checkpoint_is_pulled_as_a_peft_directory_by_its_tenant_only(stack, url, keys, trained, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    gateway = url.removesuffix("/tinker")
+    with Client(gateway, keys["alice"].removeprefix("tml-")) as alice:
+        out = alice.download(trained["sampler"], tmp_path / "adapter")  # what `marlaas pull tinker://...` does
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(stack.resolved.base_model_dir), out)
+    ids = trained["ids"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids[:-1]])).logits[0].float()
+    nll = -torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).sum().item()
+    assert nll == pytest.approx(trained["losses"][-1], rel=1e-3)  # the weights the trainer had
+    with Client(gateway, keys["bob"].removeprefix("tml-")) as bob, pytest.raises(NotFound):
+        bob.download(trained["sampler"], tmp_path / "stolen")
 
 
 def test_a_deleted_checkpoint_is_gone_from_the_listing_and_the_store(stack, url, keys, trained):

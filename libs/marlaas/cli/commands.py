@@ -429,6 +429,13 @@ def cmd_delete(args, config) -> int:
 def cmd_pull(args, config) -> int:
     with _client(config) as client:
         version = args.version
+        if args.job.startswith("tinker://"):  # a Tinker checkpoint (docs/tinker.md)
+            path = client.download(args.job, args.out)
+            if args.json:
+                _print_json({"id": args.job, "path": str(path)})
+            else:
+                print(f"{args.job} -> {path} (a PEFT adapter directory)")
+            return 0
         if version is None:
             versions = client.versions(args.job)
             if not versions:
@@ -552,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("delete", cmd_delete, "delete a job and all of it: record, versions, adapters, events")
     p.add_argument("job")
     p = command("pull", cmd_pull, "download a version's adapter as a PEFT directory")
-    p.add_argument("job")
+    p.add_argument("job", help="a job id, or a Tinker checkpoint's tinker:// path")
     p.add_argument("--version", type=int, help="a committed version (default: the latest)")
     p.add_argument("--out", required=True, help="directory to unpack the adapter into")
     p = command("report", cmd_report, "plot a job's reward, eval score and time per step (PNG)")

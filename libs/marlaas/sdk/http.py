@@ -244,12 +244,16 @@ class Client:
         return msgspec.json.decode(reply.content, type=Pinned).pinned
 
     def download(self, job: str, out_dir: str | os.PathLike, version: int | None = None) -> Path:
-        """Unpack a version's adapter (latest by default) into ``out_dir``, a PEFT directory; return it."""
+        """Unpack a version's adapter (latest by default) into ``out_dir``, a PEFT directory; return it.
+        ``job`` may also be a Tinker checkpoint's ``tinker://`` path (docs/tinker.md)."""
         out = Path(out_dir)
-        params = {"version": version} if version is not None else None
+        if job.startswith("tinker://"):
+            url, params = "/v1/tinker/checkpoint", {"path": job}
+        else:
+            url, params = f"/v1/jobs/{job}/adapter", {"version": version} if version is not None else None
         with tempfile.TemporaryFile() as archive:
             try:
-                with self._http.stream("GET", f"/v1/jobs/{job}/adapter", params=params) as response:
+                with self._http.stream("GET", url, params=params) as response:
                     _raise_for(response)
                     for chunk in response.iter_bytes():
                         archive.write(chunk)
