@@ -73,6 +73,7 @@ class Completion:
     finish_reason: str = "length"  # "stop" (eos or a stop string) | "length"
     stop_reason: str | int | None = None  # the stop string that ended it, if any
     cached_tokens: int = 0  # prompt tokens served from vLLM's prefix cache
+    prompt_logprobs: list[float] | None = None  # when asked: each prompt token's logprob (the first's is NaN)
 
 
 class PolicyEngine:
@@ -177,7 +178,8 @@ class PolicyEngine:
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, lora,
                        seed: int | None, stop: list[str] | None = None, ignore_eos: bool = False,
-                       top_p: float = 1.0, top_k: int = 0, stop_token_ids: list[int] | None = None) -> Completion:
+                       top_p: float = 1.0, top_k: int = 0, stop_token_ids: list[int] | None = None,
+                       prompt_logprobs: bool = False) -> Completion:
         """One completion of ``prompt_ids`` (token in, token out) under ``lora``.
 
         Each sample is its own request with its own seed (vLLM's ``n > 1`` is a frontend
@@ -191,7 +193,7 @@ class PolicyEngine:
         params = SamplingParams(
             n=1, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=0.0,
             logprobs=0, seed=seed, stop=stop or None, include_stop_str_in_output=True, ignore_eos=ignore_eos,
-            stop_token_ids=stop_token_ids or None,
+            stop_token_ids=stop_token_ids or None, prompt_logprobs=0 if prompt_logprobs else None,
             output_kind=RequestOutputKind.FINAL_ONLY,
             flat_logprobs=True,  # flat lists, not a dict of Logprob objects per token
         )
@@ -208,8 +210,14 @@ class PolicyEngine:
         if [flat.token_ids[i] for i in flat.start_indices] != ids:
             raise RuntimeError("the engine's logprobs are not those of the tokens it sampled")
         logprobs = [flat.logprobs[i] for i in flat.start_indices]
+        scored = None
+        if prompt_logprobs:  # position 0 has no logprob; each other's first entry is the prompt token's own
+            prompt = final.prompt_logprobs
+            scored = [float("nan")] + [prompt.logprobs[prompt.start_indices[i]] for i in range(1, len(prompt_ids))]
+            if [prompt.token_ids[prompt.start_indices[i]] for i in range(1, len(prompt_ids))] != prompt_ids[1:]:
+                raise RuntimeError("the engine's prompt logprobs are not those of the prompt's tokens")
         return Completion(ids, logprobs, out.text, out.finish_reason or "length", out.stop_reason,
-                          final.num_cached_tokens or 0)
+                          final.num_cached_tokens or 0, scored)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -8,7 +8,8 @@ least recently used first, once no request of it is in flight. The result is the
 
 Semantics of ``stop`` (the SDK's): None stops at the end-of-sequence token; a list of strings or
 of token ids stops at those alone (the end-of-sequence token no longer stops); ``[]`` runs to
-``max_tokens``. Not served: ``prompt_logprobs`` and top-k logprobs (the request fails saying so).
+``max_tokens``. ``prompt_logprobs`` (each prompt token's own) is served; top-k and target logprobs
+are not (the request fails saying so).
 """
 
 from __future__ import annotations
@@ -68,10 +69,10 @@ class TinkerSampler:
         body = msgspec.json.decode(request.body)
         prompt = prompt_tokens(body.get("prompt") or {})
         params = body.get("sampling_params") or {}
-        if body.get("prompt_logprobs") or body.get("topk_prompt_logprobs") or body.get("topk_sample_logprobs") \
-                or body.get("target_prompt_logprobs"):
-            raise SampleError("prompt logprobs and top-k logprobs are not served here: sample without them "
-                              "(and score prompts with the training client's forward)")
+        if body.get("topk_prompt_logprobs") or body.get("topk_sample_logprobs") or body.get("target_prompt_logprobs"):
+            raise SampleError("top-k and target logprobs are not served here: ask for prompt_logprobs (each prompt "
+                              "token's own), or score with the training client's forward")
+        with_prompt = bool(body.get("prompt_logprobs"))
         n, max_tokens = body.get("num_samples", 1), params.get("max_tokens")
         vocab = len(self.engine.tokenizer)
         if min(prompt) < 0 or max(prompt) >= vocab:
@@ -107,12 +108,18 @@ class TinkerSampler:
                 self.engine.generate(prompt, max_tokens=int(max_tokens), temperature=float(params.get("temperature", 1.0)),
                                      lora=lora, seed=s, stop=stop_strings or None, stop_token_ids=stop_ids or None,
                                      ignore_eos=stop is not None, top_p=float(params.get("top_p", 1.0)),
-                                     top_k=int(params.get("top_k", -1)))
-                for s in seeds])
+                                     top_k=int(params.get("top_k", -1)), prompt_logprobs=with_prompt and j == 0)
+                for j, s in enumerate(seeds)])
         finally:
             if request.sampler.adapter is not None:
                 self.loaded[request.sampler.adapter.sha256] -= 1
         response = pb.SampleResponse()
+        if with_prompt:
+            scored = np.asarray(turns[0].prompt_logprobs, dtype=np.float32)
+            last_n = body.get("prompt_logprobs_last_n")
+            if isinstance(last_n, int) and 0 < last_n < len(scored):
+                scored[:-last_n] = np.nan  # "not requested", as the SDK reads it
+            response.prompt_logprobs = scored.tobytes()
         for turn in turns:
             response.sequences.add(
                 stop_reason=pb.STOP_REASON_STOP if turn.finish_reason == "stop" else pb.STOP_REASON_LENGTH,

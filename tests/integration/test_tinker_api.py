@@ -154,6 +154,10 @@ def test_samples_come_with_the_trained_adapters_logprobs(service, trained):
         scored = client.forward([ce_datum(full)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
         trainer_lp = scored.to_numpy()[len(prompt) - 1:]
         assert np.allclose(trainer_lp, seq.logprobs, atol=0.05), (trainer_lp, seq.logprobs)
+    # a prompt's own logprobs (compute_logprobs) are the trainer's too
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(ids)).result()
+    trainer_lp = client.forward([ce_datum(ids)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert scored[0] is None and np.allclose(scored[1:], trainer_lp, atol=0.05), (scored, trainer_lp)
     # an ephemeral sampler of the live weights samples the same way
     live = client.save_weights_and_get_sampling_client().result()
     again = live.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=12, seed=7)).result()
