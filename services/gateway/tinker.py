@@ -377,8 +377,10 @@ async def owner_check(gateway: Gateway, tenant: TenantRecord, request_id: str) -
 @get("/tinker/checkpoint", summary="A Tinker checkpoint's weights as a .tar.gz of the PEFT directory",
      description="?path=tinker://<model>/<weights|sampler_weights>/<name>: one of the tenant's Tinker checkpoints "
                  "(`marlaas pull tinker://...`).", response_description="application/gzip")
-async def download_checkpoint(request: Request, tenant: TenantRecord, path: str) -> Response:
+async def download_checkpoint(request: Request, tenant: TenantRecord, path: str | None = None) -> Response:
     gateway = gateway_of(request)
+    if not path:
+        raise ApiError(400, "name the checkpoint: ?path=tinker://<model>/<weights|sampler_weights>/<name>")
     checkpoint = await owned(gateway, tenant, "checkpoint", path, wire.TinkerCheckpoint)
     try:
         config_json, weights = await asyncio.to_thread(read_adapter, gateway.store, checkpoint.adapter)

@@ -124,7 +124,8 @@ TENANT_ENDPOINTS = [("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/v1/jobs
                     ("GET", "/v1/jobs/{job}/versions"), ("POST", "/v1/jobs/{job}/versions/1/pin"),
                     ("GET", "/v1/jobs/{job}/timeline"), ("GET", "/v1/jobs/{job}/adapter"),
                     ("GET", "/v1/jobs/{job}/events"),
-                    ("POST", "/v1/files"), ("GET", "/v1/files"), ("DELETE", "/v1/files/file-0123")]
+                    ("POST", "/v1/files"), ("GET", "/v1/files"), ("DELETE", "/v1/files/file-0123"),
+                    ("GET", "/v1/tinker/checkpoint")]  # a Tinker checkpoint's weights (docs/tinker.md)
 AGENTIC = {"task": "multiply", "steps": 2, "grpo": {"prompts_per_step": 1, "group_size": 2}}  # fits the budget
 BAD_SUBMISSIONS = [  # (body or json, headers, status, what the message must say)
     (b'{"task": "addition", "steps": 2', {}, 400, ["not valid JSON", "send one JSON object"]),
