@@ -112,6 +112,12 @@ async def operator_only(connection: ASGIConnection, _: BaseRouteHandler) -> None
                             f"tenant's is refused here): {OPERATOR_TOKEN_HELP}")
 
 
+def api_help(request: Request) -> str:
+    if request.url.path.startswith("/tinker/"):
+        return "this Tinker endpoint is not served here (docs/tinker.md says what is, and why the rest is not)"
+    return API_HELP
+
+
 def error_answer(request: Request, exc: Exception) -> Response:
     """Every error as ``{"error": ...}``; the framework's own errors reworded to say what to do."""
     status, headers = 500, None
@@ -123,9 +129,9 @@ def error_answer(request: Request, exc: Exception) -> Response:
             limit = gateway_of(request).config.gateway.max_body_bytes
             message = f"the request body is larger than {limit} bytes (gateway.max_body_bytes): send a smaller job"
         elif isinstance(exc, NotFoundException):
-            message = f"no endpoint {request.method} {request.url.path}: {API_HELP}"
+            message = f"no endpoint {request.method} {request.url.path}: {api_help(request)}"
         elif status == 405:
-            message = f"{request.method} is not allowed on {request.url.path}: {API_HELP}"
+            message = f"{request.method} is not allowed on {request.url.path}: {api_help(request)}"
         elif isinstance(exc, ValidationException):
             message = f"{exc.detail}: {exc.extra}" if exc.extra else str(exc.detail)
     else:

@@ -144,7 +144,7 @@ async def finish_session(request: Request, tenant: TenantRecord, session_id: str
     return {"type": "finish_session"}
 
 
-@post("/get_server_capabilities", status_code=200)
+@get("/get_server_capabilities")
 async def capabilities(request: Request, tenant: TenantRecord) -> dict:
     gateway = gateway_of(request)
     return {"supported_models": [{"model_name": name, "max_context_length": gateway.config.rollout.max_model_len,
