@@ -36,6 +36,7 @@ from services.gateway.views import adapter_archive
 KEY_PREFIX = tinker_api_key("")  # "tml-"
 POLL_S = 10.0  # a retrieve_future waits this long for a pending future (the SDK's read timeout is 45 s)
 MAX_CHUNK_BYTES = 512 * 1024  # forward_backward chunks the SDK sends: each must fit one NATS message
+MAX_CHUNK_DATUMS = 64  # ... and hold at most this many datums
 PROTO = "application/x-protobuf"
 MAX_SAMPLES = 64  # num_samples of one asample
 
@@ -118,6 +119,7 @@ async def client_config(tenant: TenantRecord) -> dict:
     """The SDK's feature flags: forward_backward chunks one at a time (each in its turn, so a
     model's requests reach the queue in order) and small enough for one NATS message."""
     return {"parallel_fwdbwd_chunks": False, "fwdbwd_max_chunk_bytes_count": MAX_CHUNK_BYTES,
+            "fwdbwd_max_chunk_len": MAX_CHUNK_DATUMS,
             "sample_use_retrieve_futures": False, "pjwt_auth_enabled": False}
 
 
@@ -221,24 +223,17 @@ async def model_request(request: Request, tenant: TenantRecord, kind: str) -> di
     return await submit_training(gateway, tenant, model.id, kind, raw, seq_of(body))
 
 
-@post("/optim_step", status_code=200)
-async def optim_step(request: Request, tenant: TenantRecord) -> dict:
-    return await model_request(request, tenant, "optim_step")
+def model_endpoint(kind: str):
+    """``POST /<kind>``: a request of an existing model, queued for the trainer as it is."""
+    async def handler(request: Request, tenant: TenantRecord) -> dict:
+        return await model_request(request, tenant, kind)
+
+    handler.__name__ = handler.__qualname__ = kind
+    return post(f"/{kind}", status_code=200)(handler)
 
 
-@post("/save_weights", status_code=200)
-async def save_weights(request: Request, tenant: TenantRecord) -> dict:
-    return await model_request(request, tenant, "save_weights")
-
-
-@post("/save_weights_for_sampler", status_code=200)
-async def save_weights_for_sampler(request: Request, tenant: TenantRecord) -> dict:
-    return await model_request(request, tenant, "save_weights_for_sampler")
-
-
-@post("/unload_model", status_code=200)
-async def unload_model(request: Request, tenant: TenantRecord) -> dict:
-    return await model_request(request, tenant, "unload_model")
+MODEL_ENDPOINTS = [model_endpoint(kind) for kind in ("optim_step", "save_weights", "save_weights_for_sampler",
+                                                     "unload_model")]
 
 
 @post("/load_weights", status_code=200)
@@ -397,8 +392,7 @@ CHECKPOINT_ROUTES = [download_checkpoint]  # under /v1, with the tenant's bearer
 TINKER_ROUTER = Router(
     path="/tinker/api/v1",
     route_handlers=[client_config, create_session, session_heartbeat, finish_session, capabilities, telemetry,
-                    create_model, get_info, forward_backward, optim_step, save_weights, save_weights_for_sampler,
-                    unload_model, load_weights, list_checkpoints, delete_checkpoint, create_sampling_session, get_sampler, asample,
-                    retrieve_future],
+                    create_model, get_info, forward_backward, *MODEL_ENDPOINTS, load_weights, list_checkpoints,
+                    delete_checkpoint, create_sampling_session, get_sampler, asample, retrieve_future],
     dependencies={"tenant": Provide(tinker_tenant)}, include_in_schema=False,
 )

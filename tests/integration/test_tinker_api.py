@@ -115,11 +115,18 @@ def test_a_lora_trains_with_cross_entropy_and_its_info_is_served(service, traine
     assert losses[-1] < losses[0] * 0.8, losses  # three AdamW steps on one datum lower its loss
 
 
-def test_chunked_forward_backward_answers_every_datum_in_order(trained):
+def test_chunked_forward_backward_answers_every_datum_in_order(stack, trained):
     """130 datums: three chunks of at most 64 (the served client config), each answered in order."""
     client, ids = trained["client"], trained["ids"]
     data = [ce_datum(ids[: 4 + i % 9]) for i in range(130)]
+
+    def requests_done() -> int:
+        return sum(s.phase == "tinker_forward_backward" and s.attrs.get("model") == client.model_id
+                   for s in spans(stack))
+
+    before = requests_done()
     out = client.forward(data, "cross_entropy").result()
+    assert requests_done() - before == 3
     assert len(out.loss_fn_outputs) == 130
     for i in (0, 63, 64, 65, 129):  # each datum's own logprobs, where the chunks meet too
         alone = client.forward([data[i]], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
