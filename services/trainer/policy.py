@@ -395,6 +395,14 @@ class PolicyTrainer:
         hidden_T_H = decoder(input_ids=ids_1_T, use_cache=False).last_hidden_state[0]
         return head_logprobs(hidden_T_H, targets_T, head, 1.0)
 
+    def gradients(self, job: str) -> list[torch.Tensor | None]:
+        """A copy of the job's accumulated gradients (LoRA-sized: cheap), to undo a failed request's."""
+        return [None if p.grad is None else p.grad.clone() for p in self.hot[job].params]
+
+    def restore_gradients(self, job: str, saved: list[torch.Tensor | None]) -> None:
+        for p, grad in zip(self.hot[job].params, saved, strict=True):
+            p.grad = grad
+
     def adam_step(self, job: str, learning_rate: float, betas: tuple[float, float], eps: float,
                   weight_decay: float, grad_clip_norm: float) -> dict[str, float]:
         """One AdamW step on the gradients accumulated since the last one (none: a step on zeros,

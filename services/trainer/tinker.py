@@ -36,7 +36,7 @@ from marlaas.platform.events import GrpoSettings, LoraSettings
 from marlaas.platform.store import ObjectStore
 from marlaas.platform.telemetry import span
 from services.trainer.policy import NonFiniteUpdate, PolicyTrainer
-from services.trainer.tinker_losses import LossInputError, check_loss, datum_loss
+from services.trainer.tinker_losses import LossInputError, check_inputs, check_loss, datum_loss
 
 log = structlog.get_logger("trainer.tinker")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -239,46 +239,58 @@ class TinkerTrainer:
         log.info("tinker model loaded from its last step", model=model.id, steps=live.steps)
 
     def _forward_backward(self, model: wire.TinkerModel, body: bytes) -> bytes:
+        """The request's loss and its gradients, added to the model's; a request that fails adds nothing."""
         request = pb.ForwardBackwardRequest()
         request.ParseFromString(body)
         check_loss(request.loss_fn)
         config = {k: v.number for k, v in request.loss_fn_config_v2.items() if v.WhichOneof("value") == "number"}
         config = config or dict(request.loss_fn_config)
+        data = [self._datum(i, datum, request.loss_fn) for i, datum in enumerate(request.data)]
         job = job_name(model.id)
         outputs: dict[str, list[np.ndarray]] = {"logprobs": [], "elementwise_loss": []}
         total = 0.0
+        saved = self.policy.gradients(job)
+        try:
+            with torch.set_grad_enabled(not request.forward_only):
+                for i, (tokens_T, inputs) in enumerate(data):
+                    logprobs_T = self.policy.target_logprobs(job, tokens_T, inputs["target_tokens"])
+                    loss, out = datum_loss(request.loss_fn, logprobs_T, inputs, config)
+                    if not torch.isfinite(loss):
+                        raise NonFiniteUpdate(f"datum {i}: the loss is {loss.item()}")
+                    if not request.forward_only:
+                        loss.backward()
+                    total += loss.item()
+                    for name, values in out.items():
+                        outputs[name].append(values.float().cpu().numpy())
+        except BaseException:
+            self.policy.restore_gradients(job, saved)
+            raise
         if not request.forward_only:
             self.policy.pinned.add(job)  # its gradients wait for optim_step
-        with torch.set_grad_enabled(not request.forward_only):
-            for i, datum in enumerate(request.data):
-                tokens_T, inputs = datum_tensors(datum)
-                targets_T = inputs.get("target_tokens")
-                if targets_T is None or targets_T.numel() != tokens_T.numel():
-                    raise UserError(f"datum {i}: loss_fn_inputs['target_tokens'] must hold one token per input "
-                                    f"token ({tokens_T.numel()}); it holds "
-                                    f"{'none' if targets_T is None else targets_T.numel()}")
-                if not 0 < tokens_T.numel() <= self.max_tokens:
-                    raise UserError(f"datum {i} has {tokens_T.numel()} tokens: send 1 to {self.max_tokens} "
-                                    "(rollout.max_model_len)")
-                for name, ids in (("model_input", tokens_T), ("target_tokens", targets_T)):
-                    if ids.min() < 0 or ids.max() >= self.vocab:
-                        raise UserError(f"datum {i}: {name} holds token ids outside 0..{self.vocab - 1}, the "
-                                        "base model's vocabulary")
-                logprobs_T = self.policy.target_logprobs(job, tokens_T, targets_T)
-                loss, out = datum_loss(request.loss_fn, logprobs_T, inputs, config)
-                if not torch.isfinite(loss):
-                    raise NonFiniteUpdate(f"datum {i}: the loss is {loss.item()}")
-                if not request.forward_only:
-                    loss.backward()
-                total += loss.item()
-                for name, values in out.items():
-                    outputs[name].append(values.float().cpu().numpy())
         record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(request.data))
         for name, values in outputs.items():
             record.fields[name].CopyFrom(batched(values, pb.DTYPE_FLOAT32))
         result = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
         result.metrics["loss:sum"] = total
         return result.SerializeToString()
+
+    def _datum(self, i: int, datum: pb.Datum, loss_fn: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Datum ``i``'s tokens and loss inputs, checked before any of the request's work is done."""
+        tokens_T, inputs = datum_tensors(datum)
+        targets_T = inputs.get("target_tokens")
+        if targets_T is None or targets_T.numel() != tokens_T.numel():
+            raise UserError(f"datum {i}: loss_fn_inputs['target_tokens'] must hold one token per input "
+                            f"token ({tokens_T.numel()}); it holds "
+                            f"{'none' if targets_T is None else targets_T.numel()}")
+        if not 0 < tokens_T.numel() <= self.max_tokens:
+            raise UserError(f"datum {i} has {tokens_T.numel()} tokens: send 1 to {self.max_tokens} "
+                            "(rollout.max_model_len)")
+        for name, ids in (("model_input", tokens_T), ("target_tokens", targets_T)):
+            if ids.min() < 0 or ids.max() >= self.vocab:
+                raise UserError(f"datum {i}: {name} holds token ids outside 0..{self.vocab - 1}, the "
+                                "base model's vocabulary")
+        check_inputs(loss_fn, tokens_T.numel(), inputs)
+        return tokens_T, inputs
 
     def _optim_step(self, model: wire.TinkerModel, live: wire.TinkerLive, body: dict) -> tuple[bytes, wire.TinkerLive]:
         params = body.get("adam_params") or body.get("optim_params") or {}

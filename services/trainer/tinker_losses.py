@@ -36,15 +36,19 @@ def check_loss(loss_fn: str) -> None:
                              "(custom losses: forward_backward_custom, which sends cross_entropy weights)")
 
 
-def datum_loss(loss_fn: str, logprobs_T: torch.Tensor, inputs: dict[str, torch.Tensor],
-               config: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One datum's loss (a scalar) and its outputs (``logprobs``, and ``elementwise_loss``)."""
-    T = logprobs_T.shape[0]
+def check_inputs(loss_fn: str, T: int, inputs: dict[str, torch.Tensor]) -> None:
+    """Raise :class:`LossInputError` unless ``inputs`` hold what ``loss_fn`` needs, one value per token."""
     for name in INPUTS[loss_fn][1:]:
         if name not in inputs:
             raise LossInputError(f"{loss_fn} needs loss_fn_inputs {list(INPUTS[loss_fn])}; {name!r} is missing")
         if inputs[name].numel() != T:
             raise LossInputError(f"loss_fn_inputs[{name!r}] has {inputs[name].numel()} values for {T} target tokens")
+
+
+def datum_loss(loss_fn: str, logprobs_T: torch.Tensor, inputs: dict[str, torch.Tensor],
+               config: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One datum's loss (a scalar) and its outputs (``logprobs``, and ``elementwise_loss``)."""
+    check_inputs(loss_fn, logprobs_T.shape[0], inputs)
     if loss_fn == "cross_entropy":
         elementwise_T = -inputs["weights"].float() * logprobs_T
     else:

@@ -503,4 +503,9 @@ def test_hostile_requests_get_clear_errors_and_the_model_keeps_working(url, keys
         client.forward([ce_datum([1, 2, 10**7])], "cross_entropy").result()
     with pytest.raises(tinker.RequestFailedError, match="adam_params"):
         client.optim_step(types.AdamParams(learning_rate=-1.0)).result()
+    # a request failing half-way adds no gradient: the next step finds none
+    poisoned = ce_datum(trained["ids"], [float("nan")] * (len(trained["ids"]) - 1))
+    with pytest.raises(tinker.RequestFailedError, match="the loss is nan"):
+        client.forward_backward([ce_datum(trained["ids"]), poisoned], "cross_entropy").result()
+    assert client.optim_step(types.AdamParams(learning_rate=0.0)).result().metrics["grad_norm:mean"] == 0.0
     assert client.forward([ce_datum(trained["ids"])], "cross_entropy").result().metrics["loss:sum"] > 0
