@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -457,20 +458,31 @@ def test_jobs_and_a_tinker_client_share_the_engine(stack, url):
     gateway = url.removesuffix("/tinker")
     with Client(gateway, out["token"]) as jobs, \
             tinker.ServiceClient(base_url=url, api_key=out["tinker_api_key"]) as service:
-        submitted = [jobs.submit({**SMALL_JOB, "seed": seed}) for seed in (11, 12)]
         client = service.create_lora_training_client(base_model=BASE, rank=8).result()
         ids = client.get_tokenizer().encode("Reverse the word: planet")
-        steps = 0
-        deadline = time.monotonic() + 300
-        while any(jobs.job(job).state in ("queued", "running") for job in submitted):
-            assert time.monotonic() < deadline, [jobs.job(job) for job in submitted]
-            sampler = client.save_weights_and_get_sampling_client().result()
-            result = sampler.sample(types.ModelInput.from_ints(ids), 4, types.SamplingParams(max_tokens=24)).result()
-            client.forward_backward([ce_datum(ids + list(result.sequences[0].tokens))], "cross_entropy").result()
-            client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-            steps += 1
+        sampler = client.save_weights_and_get_sampling_client().result()
+        done, sampled = threading.Event(), []
+
+        def keep_sampling() -> None:  # the loop's sampling, while its training goes on below
+            while not done.is_set():
+                result = sampler.sample(types.ModelInput.from_ints(ids), 4, types.SamplingParams(max_tokens=24))
+                sampled.append(result.result().sequences[0].tokens)
+
+        thread = threading.Thread(target=keep_sampling)
+        thread.start()
+        try:
+            submitted = [jobs.submit({**SMALL_JOB, "steps": 6, "seed": seed}) for seed in (11, 12)]
+            deadline = time.monotonic() + 300
+            while any(jobs.job(job).state in ("queued", "running") for job in submitted):
+                assert time.monotonic() < deadline, [jobs.job(job) for job in submitted]
+                client.forward_backward([ce_datum(ids + list(sampled[-1]) if sampled else ids)],
+                                        "cross_entropy").result()
+                client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        finally:
+            done.set()
+            thread.join()
         assert [jobs.job(job).state for job in submitted] == ["completed", "completed"]
-        assert steps >= 1
+        assert sampled
     recorded = spans(stack)
     samples = [s for s in recorded if s.job == "erin.tinker" and s.phase == "tinker_sample"]
     assert samples
