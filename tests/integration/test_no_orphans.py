@@ -113,6 +113,7 @@ def test_the_readme_tour_runs_as_typed_and_down_leaves_no_process(tmp_path):
                 no_home = {k: v for k, v in env.items() if k != "MARLAAS_HOME"}
                 where = json.loads(cli(no_home, "info", "--json", "--home", str(tmp_path)).stdout)
                 assert where["running"] and where["dashboard"].endswith("/ui/")
+                assert where["tinker_base_url"] == f"{where['gateway_url']}/tinker"  # docs/tinker.md
                 assert (Path(where["base_model"]) / "config.json").is_file()
     finally:
         if launcher is not None and psutil.pid_exists(launcher):  # the tour failed before its `down`
