@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import json
+import re
 import time
 import uuid
+from pathlib import Path
 
 import msgspec
 from litestar import Request, Response, Router, delete, get, post
@@ -39,6 +42,7 @@ MAX_CHUNK_BYTES = 512 * 1024  # forward_backward chunks the SDK sends: each must
 MAX_CHUNK_DATUMS = 64  # ... and hold at most this many datums
 PROTO = "application/x-protobuf"
 MAX_SAMPLES = 64  # num_samples of one asample
+CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 async def tinker_tenant(request: Request) -> TenantRecord:
@@ -83,6 +87,15 @@ def served_names(gateway: Gateway) -> set[str]:
     """The names ``base_model`` may take: the configured one, and the model's directory."""
     config = gateway.config
     return {config.base_model or "builtin:chat", str(config.base_model_dir)}
+
+
+@functools.cache
+def architecture(model_dir: str) -> str | None:
+    """The base model's ``model_type`` (its config.json), for get_info."""
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
 
 
 async def owned(gateway: Gateway, tenant: TenantRecord, kind: str, ident: str, typ: type):
@@ -177,9 +190,12 @@ async def create_model(request: Request, tenant: TenantRecord) -> dict:
     max_rank = gateway.config.rollout.max_lora_rank
     if not isinstance(rank, int) or not 1 <= rank <= max_rank:
         raise ApiError(400, f"lora_config.rank must be 1 to {max_rank} (rollout.max_lora_rank), not {rank!r}")
+    seed = lora.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(400, f"lora_config.seed must be a whole number, not {seed!r}")
     model = wire.TinkerModel(
         id=f"{session.id}:train:{seq}", tenant=tenant.name, session=session.id, base_model=base, rank=rank,
-        seed=lora.get("seed"), train_mlp=bool(lora.get("train_mlp", True)),
+        seed=seed, train_mlp=bool(lora.get("train_mlp", True)),
         train_attn=bool(lora.get("train_attn", True)), train_unembed=bool(lora.get("train_unembed", True)),
         created_at=time.time())
     if await wire.read(gateway.bus, "model", model.id, wire.TinkerModel, tenant.name) is None:
@@ -194,7 +210,7 @@ async def get_info(request: Request, tenant: TenantRecord) -> dict:
     model = await owned(gateway, tenant, "model", field(body, "model_id", str), wire.TinkerModel)
     return {"type": "get_info", "model_id": model.id, "is_lora": True, "lora_rank": model.rank,
             "model_name": model.base_model,
-            "model_data": {"arch": "qwen3", "model_name": model.base_model,
+            "model_data": {"arch": architecture(str(gateway.config.base_model_dir)), "model_name": model.base_model,
                            "tokenizer_id": str(gateway.config.base_model_dir)}}
 
 
@@ -220,6 +236,9 @@ async def model_request(request: Request, tenant: TenantRecord, kind: str) -> di
     gateway, raw = gateway_of(request), await request.body()
     body = await body_json(request)
     model = await owned(gateway, tenant, "model", field(body, "model_id", str), wire.TinkerModel)
+    name = body.get("path")
+    if kind.startswith("save") and name is not None and not (isinstance(name, str) and CHECKPOINT_NAME.fullmatch(name)):
+        raise ApiError(400, f"a checkpoint's name is 1-128 letters, digits, '.', '_' or '-', not {name!r}")
     return await submit_training(gateway, tenant, model.id, kind, raw, seq_of(body))
 
 
@@ -333,6 +352,10 @@ async def asample(request: Request, tenant: TenantRecord) -> dict:
     n = body.get("num_samples", 1)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
         raise ApiError(400, f"num_samples must be a whole number from 1 to {MAX_SAMPLES}, not {n!r}")
+    try:
+        wire.prompt_tokens(body.get("prompt"))
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
     await gateway.bus.publish(f"{wire.SAMPLE_SUBJECT}.{tenant.name}", msgspec.json.encode(wire.SampleRequest(
         request_id=request_id, tenant=tenant.name, sampler=sampler, body=raw, submitted_at=time.time())),
         msg_id=request_id)

@@ -26,7 +26,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from marlaas.platform import tinker as wire
 from marlaas.platform.adapters import materialize
-from marlaas.platform.bus import Delivery
+from marlaas.platform.bus import Delivery, PoisonMessage
 from marlaas.platform.events import Blob
 from marlaas.platform.telemetry import span
 
@@ -49,7 +49,10 @@ class TinkerSampler:
         self.lock = asyncio.Lock()
 
     async def handle(self, delivery: Delivery) -> None:
-        request = msgspec.json.decode(delivery.data, type=wire.SampleRequest)
+        try:
+            request = msgspec.json.decode(delivery.data, type=wire.SampleRequest)
+        except msgspec.MsgspecError as exc:
+            raise PoisonMessage(f"unreadable Tinker sampling request: {exc}") from exc
         if await wire.read(self.bus, "future", request.request_id, wire.TinkerFuture) is not None:
             return
         try:
@@ -66,9 +69,14 @@ class TinkerSampler:
             request_id=request.request_id, tenant=request.tenant, media="proto", body=body))
 
     async def sample(self, request: wire.SampleRequest) -> bytes:
-        body = msgspec.json.decode(request.body)
-        prompt = prompt_tokens(body.get("prompt") or {})
+        body = msgspec.json.decode(request.body)  # the gateway took it as a JSON object
+        try:
+            prompt = wire.prompt_tokens(body.get("prompt"))
+        except ValueError as exc:
+            raise SampleError(str(exc)) from None
         params = body.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            raise SampleError("sampling_params must be an object")
         if body.get("topk_prompt_logprobs") or body.get("topk_sample_logprobs") or body.get("target_prompt_logprobs"):
             raise SampleError("top-k and target logprobs are not served here: ask for prompt_logprobs (each prompt "
                               "token's own), or score with the training client's forward")
@@ -79,7 +87,8 @@ class TinkerSampler:
             raise SampleError(f"the prompt holds token ids outside 0..{vocab - 1}, the base model's vocabulary")
         numbers = {k: params.get(k, d) for k, d in (("temperature", 1.0), ("top_p", 1.0), ("top_k", -1), ("seed", 0))}
         if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in numbers.values() if v is not None) \
-                or not isinstance(n, int) or not isinstance(max_tokens, (int, type(None))):
+                or not isinstance(n, int) or not isinstance(max_tokens, (int, type(None))) \
+                or not isinstance(numbers["seed"], (int, type(None))):
             raise SampleError("num_samples, max_tokens, top_k and seed must be whole numbers; temperature and "
                               "top_p numbers")
         if not 0 <= numbers["temperature"] <= 100 or not 0 < numbers["top_p"] <= 1:
@@ -146,18 +155,6 @@ class TinkerSampler:
                     await self.engine.drop_job(f"tinker-{old[:16]}")
                     await asyncio.to_thread(shutil.rmtree, self.cache_dir / old[:32], True)
             return lora
-
-
-def prompt_tokens(model_input: dict) -> list[int]:
-    """The prompt's token ids, from its encoded-text chunks."""
-    tokens: list[int] = []
-    for chunk in model_input.get("chunks") or []:
-        if chunk.get("type", "encoded_text") != "encoded_text":
-            raise SampleError(f"prompt chunks of type {chunk.get('type')!r} are not served: this is a text model")
-        tokens.extend(int(t) for t in chunk.get("tokens") or [])
-    if not tokens:
-        raise SampleError("the prompt has no tokens")
-    return tokens
 
 
 async def serve_tinker(rt, rollout) -> None:

@@ -31,7 +31,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from marlaas.platform import tinker as wire
 from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE, init_adapter, read_adapter
-from marlaas.platform.bus import Bus, Delivery
+from marlaas.platform.bus import Bus, Delivery, PoisonMessage
 from marlaas.platform.events import GrpoSettings, LoraSettings
 from marlaas.platform.store import ObjectStore
 from marlaas.platform.telemetry import span
@@ -102,10 +102,13 @@ class TinkerTrainer:
         self.replica = uuid.uuid4().hex[:12]  # which trainer process holds a model's gradients
 
     async def handle(self, delivery: Delivery) -> None:
-        request = msgspec.json.decode(delivery.data, type=wire.TrainRequest)
+        try:
+            request = msgspec.json.decode(delivery.data, type=wire.TrainRequest)
+            model = await wire.read(self.bus, "model", request.model_id, wire.TinkerModel, request.tenant)
+        except msgspec.MsgspecError as exc:  # never redelivered for ever: the gateway wrote something unreadable
+            raise PoisonMessage(f"unreadable Tinker request or model record: {exc}") from exc
         if await wire.read(self.bus, "future", request.request_id, wire.TinkerFuture) is not None:
             return  # done before a crash, or a duplicate: never train twice on one request
-        model = await wire.read(self.bus, "model", request.model_id, wire.TinkerModel, request.tenant)
         if model is None or model.tenant != request.tenant:
             return await wire.fail(self.bus, self.store, request.request_id, request.tenant,
                                    f"no model {request.model_id!r}")

@@ -502,6 +502,10 @@ def test_hostile_requests_get_clear_errors_and_the_model_keeps_working(url, keys
             ("/create_model", {"json": {"session_id": model_id.split(":")[0], "model_seq_id": 9,
                                         "base_model": BASE, "lora_config": "big"}}, "lora_config"),
             ("/optim_step", {"json": {"model_id": model_id, "seq_id": "x"}}, "seq_id"),
+            ("/save_weights", {"json": {"model_id": model_id, "path": "../../etc"}}, "checkpoint's name"),
+            ("/create_model", {"json": {"session_id": model_id.split(":")[0], "model_seq_id": 9,
+                                        "base_model": BASE, "lora_config": {"rank": 4, "seed": "x"}}}, "seed"),
+            ("/asample", {"json": {"base_model": BASE, "prompt": "hello"}}, "prompt"),
             ("/retrieve_future", {"content": b"{not json"}, "not JSON"),
         ):
             answer = api.post(path, **kwargs)

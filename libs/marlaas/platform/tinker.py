@@ -135,6 +135,24 @@ class SampleRequest(Wire):
     submitted_at: float = 0.0
 
 
+def prompt_tokens(model_input) -> list[int]:
+    """An ``asample`` prompt's token ids, from its encoded-text chunks; ValueError saying what is wrong."""
+    chunks = model_input.get("chunks") if isinstance(model_input, dict) else None
+    if not isinstance(chunks, list) or not all(isinstance(chunk, dict) for chunk in chunks):
+        raise ValueError('prompt must be {"chunks": [{"type": "encoded_text", "tokens": [...]}]}')
+    tokens: list[int] = []
+    for chunk in chunks:
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise ValueError(f"prompt chunks of type {chunk.get('type')!r} are not served: this is a text model")
+        ids = chunk.get("tokens") or []
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("a prompt chunk's tokens must be a list of token ids")
+        tokens.extend(ids)
+    if not tokens:
+        raise ValueError("the prompt has no tokens")
+    return tokens
+
+
 def key(kind: str, ident: str, tenant: str = "") -> str:
     """The bucket key of ``ident`` (any string) of ``kind`` (session, model, sampler, ...); a model's
     key starts with its tenant's name, so that a tenant's models are counted without reading others'."""
