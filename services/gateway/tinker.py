@@ -39,6 +39,7 @@ from services.gateway.views import adapter_archive
 KEY_PREFIX = tinker_api_key("")  # "tml-"
 POLL_S = 10.0  # a retrieve_future waits this long for a pending future (the SDK's read timeout is 45 s)
 MAX_CHUNK_BYTES = 512 * 1024  # forward_backward chunks the SDK sends: each must fit one NATS message
+MAX_REQUEST_BYTES = 640 * 1024  # any one request: base64 in the queued JSON, it must fit a 1 MiB NATS message
 MAX_CHUNK_DATUMS = 64  # ... and hold at most this many datums
 PROTO = "application/x-protobuf"
 MAX_SAMPLES = 64  # num_samples of one asample
@@ -118,6 +119,9 @@ async def check_quota(gateway: Gateway, tenant: TenantRecord) -> None:
 async def submit_training(gateway: Gateway, tenant: TenantRecord, model_id: str, kind: str, body: bytes,
                           seq_id: int | None) -> dict:
     """Queue a model's request; a retried submission (same model and seq_id) gets the first's id."""
+    if len(body) > MAX_REQUEST_BYTES:
+        raise ApiError(413, f"a request of {len(body)} bytes is over {MAX_REQUEST_BYTES} (one NATS message): send "
+                            "fewer datums at a time (the SDK splits forward_backward into chunks itself)")
     request_id = wire.request_id(model_id, seq_id)
     await gateway.bus.publish(f"{wire.TRAIN_SUBJECT}.{tenant.name}", msgspec.json.encode(wire.TrainRequest(
         request_id=request_id, tenant=tenant.name, model_id=model_id, kind=kind, body=body,
@@ -349,6 +353,8 @@ async def asample(request: Request, tenant: TenantRecord) -> dict:
     else:  # a one-off sampler of a checkpoint or the base: the request is its own scope
         request_id = f"once-{tenant.name}-{uuid.uuid4().hex}"
         sampler = await sampler_for(gateway, tenant, body, request_id)
+    if len(raw) > MAX_REQUEST_BYTES:
+        raise ApiError(413, f"a sampling request of {len(raw)} bytes is over {MAX_REQUEST_BYTES}: shorten the prompt")
     n = body.get("num_samples", 1)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
         raise ApiError(400, f"num_samples must be a whole number from 1 to {MAX_SAMPLES}, not {n!r}")

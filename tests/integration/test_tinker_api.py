@@ -510,6 +510,9 @@ def test_hostile_requests_get_clear_errors_and_the_model_keeps_working(url, keys
         ):
             answer = api.post(path, **kwargs)
             assert answer.status_code == 400 and says in answer.json()["error"], (path, answer.text)
+        huge = {"model_id": model_id, "seq_id": 1, "adam_params": {}, "pad": "x" * (800 * 1024)}
+        answer = api.post("/optim_step", json=huge)
+        assert answer.status_code == 413 and "one NATS message" in answer.json()["error"], answer.text
         prompt = {"chunks": [{"type": "encoded_text", "tokens": [10**9]}]}
         sampled = api.post("/asample", json={"base_model": BASE, "prompt": prompt,
                                              "sampling_params": {"max_tokens": 4}}).json()
