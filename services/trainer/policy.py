@@ -376,9 +376,10 @@ class PolicyTrainer:
 
     # --- the Tinker API's primitives (services/trainer/tinker.py; call with ``lock`` held) ------
 
-    def target_logprobs(self, job: str, tokens_T: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
-        """log p(targets_T[t] | tokens_T[:t+1]) under the job's adapter; differentiable unless the
-        caller disabled gradients."""
+    def target_logprobs(self, job: str, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """For each (tokens_T, targets_T) row, log p(targets_T[t] | tokens_T[:t+1]) under the job's
+        adapter, all rows in one right-padded pass (causal: no row attends to its padding);
+        differentiable unless the caller disabled gradients."""
         hot = self.hot[job]
         self.hot.move_to_end(job)
         self._activate(hot.slot)
@@ -386,14 +387,24 @@ class PolicyTrainer:
             p.requires_grad_(True)
         if not self.model.training:
             self.model.train()
-        ids_1_T, targets_T = tokens_T.to(self.device).unsqueeze(0), targets_T.to(self.device)
+        lengths = [tokens_T.numel() for tokens_T, _ in rows]
+        tokens_B_T = torch.zeros(len(rows), max(lengths), dtype=torch.long)
+        targets_B_T = torch.zeros_like(tokens_B_T)
+        for i, (tokens_T, targets_T) in enumerate(rows):
+            tokens_B_T[i, : lengths[i]], targets_B_T[i, : lengths[i]] = tokens_T, targets_T
+        mask_B_T = torch.arange(tokens_B_T.shape[1]) < torch.tensor(lengths).unsqueeze(1)
+        tokens_B_T, targets_B_T, mask_B_T = tokens_B_T.to(self.device), targets_B_T.to(self.device), mask_B_T.to(self.device)
+        rows_N, cols_N = mask_B_T.nonzero(as_tuple=True)  # row-major: each row's positions in order
         parts = find_decoder_and_head(self.model) if self.split_head else None
         if parts is None:
-            logits_T_V = self.model(input_ids=ids_1_T, use_cache=False).logits[0].float()
-            return torch.log_softmax(logits_T_V, dim=-1).gather(-1, targets_T.unsqueeze(-1)).squeeze(-1)
-        decoder, head = parts
-        hidden_T_H = decoder(input_ids=ids_1_T, use_cache=False).last_hidden_state[0]
-        return head_logprobs(hidden_T_H, targets_T, head, 1.0)
+            logits_N_V = self.model(input_ids=tokens_B_T, use_cache=False).logits[rows_N, cols_N].float()
+            logprobs_N = torch.log_softmax(logits_N_V, dim=-1).gather(-1, targets_B_T[rows_N, cols_N].unsqueeze(-1))
+            logprobs_N = logprobs_N.squeeze(-1)
+        else:
+            decoder, head = parts
+            hidden_B_T_H = decoder(input_ids=tokens_B_T, use_cache=False).last_hidden_state
+            logprobs_N = head_logprobs(hidden_B_T_H[rows_N, cols_N], targets_B_T[rows_N, cols_N], head, 1.0)
+        return list(torch.split(logprobs_N, lengths))
 
     def gradients(self, job: str) -> list[torch.Tensor | None]:
         """A copy of the job's accumulated gradients (LoRA-sized: cheap), to undo a failed request's."""

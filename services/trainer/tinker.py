@@ -35,6 +35,7 @@ from marlaas.platform.bus import Bus, Delivery, PoisonMessage
 from marlaas.platform.events import GrpoSettings, LoraSettings
 from marlaas.platform.store import ObjectStore
 from marlaas.platform.telemetry import span
+from services.trainer.grpo import micro_batches
 from services.trainer.policy import NonFiniteUpdate, PolicyTrainer
 from services.trainer.tinker_losses import LossInputError, check_inputs, check_loss, datum_loss
 
@@ -250,29 +251,32 @@ class TinkerTrainer:
         config = config or dict(request.loss_fn_config)
         data = [self._datum(i, datum, request.loss_fn) for i, datum in enumerate(request.data)]
         job = job_name(model.id)
-        outputs: dict[str, list[np.ndarray]] = {"logprobs": [], "elementwise_loss": []}
         total = 0.0
         saved = self.policy.gradients(job)
+        per_datum: list[dict[str, np.ndarray]] = [{} for _ in data]
+        lengths = [tokens_T.numel() for tokens_T, _ in data]
         try:
             with torch.set_grad_enabled(not request.forward_only):
-                for i, (tokens_T, inputs) in enumerate(data):
-                    logprobs_T = self.policy.target_logprobs(job, tokens_T, inputs["target_tokens"])
-                    loss, out = datum_loss(request.loss_fn, logprobs_T, inputs, config)
-                    if not torch.isfinite(loss):
-                        raise NonFiniteUpdate(f"datum {i}: the loss is {loss.item()}")
-                    if not request.forward_only:
-                        loss.backward()
-                    total += loss.item()
-                    for name, values in out.items():
-                        outputs[name].append(values.float().cpu().numpy())
+                for batch in micro_batches(lengths, self.policy.micro_batch_tokens):
+                    scored = self.policy.target_logprobs(job, [(data[i][0], data[i][1]["target_tokens"]) for i in batch])
+                    batch_loss = 0.0
+                    for i, logprobs_T in zip(batch, scored, strict=True):
+                        loss, out = datum_loss(request.loss_fn, logprobs_T, data[i][1], config)
+                        if not torch.isfinite(loss):
+                            raise NonFiniteUpdate(f"datum {i}: the loss is {loss.item()}")
+                        batch_loss = batch_loss + loss
+                        per_datum[i] = {name: values.float().cpu().numpy() for name, values in out.items()}
+                    if not request.forward_only and isinstance(batch_loss, torch.Tensor) and batch_loss.requires_grad:
+                        batch_loss.backward()
+                    total += float(batch_loss)
         except BaseException:
             self.policy.restore_gradients(job, saved)
             raise
         if not request.forward_only:
             self.policy.pinned.add(job)  # its gradients wait for optim_step
         record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(request.data))
-        for name, values in outputs.items():
-            record.fields[name].CopyFrom(batched(values, pb.DTYPE_FLOAT32))
+        for name in ("logprobs", "elementwise_loss"):
+            record.fields[name].CopyFrom(batched([out[name] for out in per_datum], pb.DTYPE_FLOAT32))
         result = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
         result.metrics["loss:sum"] = total
         return result.SerializeToString()

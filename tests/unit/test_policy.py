@@ -137,6 +137,25 @@ def test_jobs_keep_separate_adapters(base_dir, v0):
     assert not all(torch.equal(a[k], init[k]) for k in init)
 
 
+def test_target_logprobs_of_padded_rows_are_each_rows_own_and_a_failed_requests_gradients_undo(base_dir, v0):
+    """The Tinker API's scoring (services/trainer/tinker.py): rows of different lengths in one
+    right-padded pass score as they do alone; gradients saved before a request come back after it."""
+    trainer = PolicyTrainer(base_dir)
+    trainer.load("tinker/m", 0, *v0, None, SETTINGS)
+    rows = [(torch.tensor([5, 9, 11, 4, 7]), torch.tensor([9, 11, 4, 7, 2])), (torch.tensor([3, 8]), torch.tensor([8, 6]))]
+    with torch.no_grad():
+        together = trainer.target_logprobs("tinker/m", rows)
+        alone = [trainer.target_logprobs("tinker/m", [row])[0] for row in rows]
+    assert [t.shape[0] for t in together] == [5, 2]
+    assert all(torch.allclose(t, a, atol=1e-5) for t, a in zip(together, alone))
+    assert all((t < 0).all() for t in together)
+    saved = trainer.gradients("tinker/m")
+    sum(t.sum() for t in trainer.target_logprobs("tinker/m", rows)).backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trainer.hot["tinker/m"].params)
+    trainer.restore_gradients("tinker/m", saved)
+    assert all(p.grad is None for p in trainer.hot["tinker/m"].params)
+
+
 def test_an_export_is_what_peft_saves_for_the_adapter(base_dir, v0, tmp_path):
     """The trainer names a hot job's tensors once at load; each export must still equal peft's own."""
     from peft.utils import get_peft_model_state_dict
