@@ -325,8 +325,8 @@ async def create_sampling_session(request: Request, tenant: TenantRecord) -> dic
 
 async def sampler_for(gateway: Gateway, tenant: TenantRecord, body: dict, sampler_id: str) -> wire.TinkerSampler:
     """A sampler of ``body``'s ``model_path`` (a checkpoint of the tenant's) or ``base_model``."""
-    path = body.get("model_path")
-    if path:
+    if body.get("model_path"):
+        path = field(body, "model_path", str)
         checkpoint = await owned(gateway, tenant, "checkpoint", path, wire.TinkerCheckpoint)
         return wire.TinkerSampler(id=sampler_id, tenant=tenant.name, base_model=sorted(served_names(gateway))[0],
                                   model_path=path, adapter=checkpoint.adapter)

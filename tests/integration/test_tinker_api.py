@@ -506,6 +506,7 @@ def test_hostile_requests_get_clear_errors_and_the_model_keeps_working(url, keys
             ("/create_model", {"json": {"session_id": model_id.split(":")[0], "model_seq_id": 9,
                                         "base_model": BASE, "lora_config": {"rank": 4, "seed": "x"}}}, "seed"),
             ("/asample", {"json": {"base_model": BASE, "prompt": "hello"}}, "prompt"),
+            ("/asample", {"json": {"model_path": ["tinker://x"], "prompt": {"chunks": []}}}, "model_path"),
             ("/retrieve_future", {"content": b"{not json"}, "not JSON"),
         ):
             answer = api.post(path, **kwargs)
