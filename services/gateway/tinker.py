@@ -241,6 +241,8 @@ async def model_request(request: Request, tenant: TenantRecord, kind: str) -> di
     body = await body_json(request)
     model = await owned(gateway, tenant, "model", field(body, "model_id", str), wire.TinkerModel)
     name = body.get("path")
+    if kind == "save_weights" and name is None:
+        raise ApiError(400, "save_weights needs a name for the checkpoint: 'path'")
     if kind.startswith("save") and name is not None and not (isinstance(name, str) and CHECKPOINT_NAME.fullmatch(name)):
         raise ApiError(400, f"a checkpoint's name is 1-128 letters, digits, '.', '_' or '-', not {name!r}")
     return await submit_training(gateway, tenant, model.id, kind, raw, seq_of(body))
