@@ -358,6 +358,15 @@ def test_another_tenant_cannot_see_or_touch_the_models_futures_or_checkpoints(ur
         assert answer.status_code == 404
 
 
+def test_a_revoked_tenants_key_is_refused(stack, url):
+    key = tenant_cli_ok(stack.home, "add", "frank")["tinker_api_key"]
+    with http(url, key) as api:
+        assert api.post("/create_session", json={}).status_code == 200
+        tenant_cli_ok(stack.home, "revoke", "frank")
+        refused = api.post("/create_session", json={})
+    assert refused.status_code == 401 and "revoked" in refused.json()["error"], refused.text
+
+
 def test_a_wrong_or_missing_key_is_refused(url, keys):
     for key in ("tml-mlt_alice_" + "0" * 32, "tml-nonsense", keys["alice"][4:]):
         with http(url, key) as api:
