@@ -106,9 +106,9 @@ def ce_datum(ids: list[int], weights: list[float] | None = None) -> types.Datum:
                        loss_fn_inputs={"target_tokens": ids[1:], "weights": weights or [1.0] * (len(ids) - 1)})
 
 
-def test_a_lora_trains_with_cross_entropy_and_its_info_is_served(service, trained):
+def test_a_lora_trains_with_cross_entropy_and_its_info_is_served(url, keys, trained):
     client, losses = trained["client"], trained["losses"]
-    served = service.get_server_capabilities().supported_models
+    served = tinker.RestClient(base_url=url, api_key=keys["alice"]).get_server_capabilities().result().supported_models
     assert BASE in {m.model_name for m in served} and all(m.max_context_length == 1024 for m in served)
     info = client.get_info()
     assert info.lora_rank == 8 and info.model_data.model_name == BASE
