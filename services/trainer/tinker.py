@@ -22,6 +22,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -46,6 +47,17 @@ LORA_ALPHA = 32  # Tinker's
 ORDER_WAIT_S = 30.0  # a request waits this long for its turn (a lost earlier one, a dead replica's gradients)
 ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
                  "grad_clip_norm": 0.0}  # the SDK's AdamParams
+
+
+@dataclass
+class Done:
+    """A request's outcome: the future's body, the model's new state (None: unchanged), and the
+    records to write for it (kind, id, record)."""
+
+    media: str
+    body: bytes
+    live: wire.TinkerLive | None = None
+    records: list[tuple[str, str, msgspec.Struct]] = field(default_factory=list)
 
 
 class UserError(Exception):
@@ -94,10 +106,8 @@ def batched(values: list[np.ndarray], dtype: int) -> pb.BatchedTensor:
 class TinkerTrainer:
     """Runs Tinker models' training requests on the trainer's policy."""
 
-    def __init__(self, bus: Bus, store: ObjectStore, policy: PolicyTrainer, base_model_dir,
-                 loop: asyncio.AbstractEventLoop, max_tokens: int) -> None:
+    def __init__(self, bus: Bus, store: ObjectStore, policy: PolicyTrainer, base_model_dir, max_tokens: int) -> None:
         self.bus, self.store, self.policy, self.base_model_dir = bus, store, policy, base_model_dir
-        self.loop = loop  # the bus's: the request's thread reads and writes records through it
         self.max_tokens = max_tokens  # a datum's longest input (rollout.max_model_len)
         self.vocab = policy.base.get_input_embeddings().num_embeddings
         self.replica = uuid.uuid4().hex[:12]  # which trainer process holds a model's gradients
@@ -131,7 +141,8 @@ class TinkerTrainer:
             async with span(self.bus, "trainer", f"tinker_{request.kind}", wire.span_job(request.tenant), 0,
                             model=request.model_id, seq_id=request.seq_id):
                 async with delivery.keep_alive():
-                    media, body, new_live = await asyncio.to_thread(self._run, request, model, live)
+                    checkpoint = await self._checkpoint(request, model) if request.kind == "load_weights" else None
+                    done = await asyncio.to_thread(self._run, request, model, live, checkpoint)
         except (UserError, LossInputError, NonFiniteUpdate) as exc:
             await self._advance(request, live, None)
             return await wire.fail(self.bus, self.store, request.request_id, request.tenant, str(exc))
@@ -140,9 +151,13 @@ class TinkerTrainer:
             await self._advance(request, live, None)
             return await wire.fail(self.bus, self.store, request.request_id, request.tenant,
                                    f"the trainer failed on {request.kind}: {exc!r}", category="server")
-        await self._advance(request, live, new_live)
+        for kind, ident, record in done.records:  # written here, never from the thread: see _run
+            await wire.write(self.bus, kind, ident, record)
+            if kind == "checkpoint":
+                await wire.index(self.bus, model.tenant, model.id, ident)
+        await self._advance(request, live, done.live)
         await wire.finish(self.bus, self.store, wire.TinkerFuture(
-            request_id=request.request_id, tenant=request.tenant, media=media, body=body))
+            request_id=request.request_id, tenant=request.tenant, media=done.media, body=done.body))
 
     def wait_reason(self, request: wire.TrainRequest, live: wire.TinkerLive) -> str:
         """Why ``request`` must wait ("" = it need not): an earlier request of the model is not done
@@ -169,27 +184,29 @@ class TinkerTrainer:
 
     # --- in a thread, with the policy's lock -----------------------------------------------------
 
-    def _run(self, request: wire.TrainRequest, model: wire.TinkerModel,
-             live: wire.TinkerLive | None) -> tuple[str, bytes, wire.TinkerLive | None]:
+    def _run(self, request: wire.TrainRequest, model: wire.TinkerModel, live: wire.TinkerLive | None,
+             checkpoint: wire.TinkerCheckpoint | None) -> Done:
+        """Do the request. It holds the policy's lock, which the event loop's thread may wait for (an
+        eviction), so it never waits on the loop: what it reads comes in, what it writes goes out."""
         with self.policy.lock:
             if request.kind == "create_model":
-                return "json", *self._create(model)
+                return Done("json", *self._create(model))
             if request.kind == "load_weights":
-                return "json", *self._load_checkpoint(model, json.loads(request.body), live)
+                return Done("json", *self._load_checkpoint(model, checkpoint, json.loads(request.body), live))
             if live is None:
                 raise UserError(f"model {model.id!r} is still being created: wait for create_model's future")
             self._make_hot(model, live)
             body = json.loads(request.body) if request.kind != "forward_backward" else None
             match request.kind:
                 case "forward_backward":
-                    return "proto", self._forward_backward(model, request.body), None
+                    return Done("proto", self._forward_backward(model, request.body))
                 case "optim_step":
-                    return "json", *self._optim_step(model, live, body)
+                    return Done("json", *self._optim_step(model, live, body))
                 case "save_weights" | "save_weights_for_sampler":
-                    return "json", self._save(model, request.kind, body), None
+                    return self._save(model, request.kind, body)
                 case "unload_model":
                     self.policy.evict(job_name(model.id))
-                    return "json", b'{"type": "unload_model"}', None
+                    return Done("json", b'{"type": "unload_model"}')
         raise UserError(f"unknown request kind {request.kind!r}")
 
     def _put(self, prefix: str, config_json: bytes, weights: bytes, optimizer: bytes | None = None):
@@ -211,9 +228,8 @@ class TinkerTrainer:
         live = self._write_live(model, 0)
         return msgspec.json.encode({"model_id": model.id, "type": "create_model"}), live
 
-    def _load_checkpoint(self, model: wire.TinkerModel, body: dict,
+    def _load_checkpoint(self, model: wire.TinkerModel, checkpoint: wire.TinkerCheckpoint, body: dict,
                          live: wire.TinkerLive | None) -> tuple[bytes, wire.TinkerLive]:
-        checkpoint = self._checkpoint(model.tenant, body.get("path") or model.from_checkpoint)
         config_json, weights = read_adapter(self.store, checkpoint.adapter)
         optimizer = None
         if body.get("optimizer"):
@@ -226,9 +242,11 @@ class TinkerTrainer:
         return (msgspec.json.encode({"model_id": model.id, "path": checkpoint.path, "type": "load_weights"}),
                 self._write_live(model, steps))
 
-    def _checkpoint(self, tenant: str, path: str) -> wire.TinkerCheckpoint:
-        found = self._wait(wire.read(self.bus, "checkpoint", path, wire.TinkerCheckpoint))
-        if found is None or found.tenant != tenant:
+    async def _checkpoint(self, request: wire.TrainRequest, model: wire.TinkerModel) -> wire.TinkerCheckpoint:
+        """The checkpoint a load_weights names (the tenant's own)."""
+        path = json.loads(request.body).get("path") or model.from_checkpoint
+        found = await wire.read(self.bus, "checkpoint", path, wire.TinkerCheckpoint)
+        if found is None or found.tenant != model.tenant:
             raise UserError(f"no checkpoint {path!r}: save_state or save_weights_for_sampler write one")
         return found
 
@@ -317,7 +335,7 @@ class TinkerTrainer:
         live = self._write_live(model, live.steps + 1)
         return msgspec.json.encode({"metrics": {f"{k}:mean": v for k, v in metrics.items()}}), live
 
-    def _save(self, model: wire.TinkerModel, kind: str, body: dict) -> bytes:
+    def _save(self, model: wire.TinkerModel, kind: str, body: dict) -> Done:
         config_json, weights, optimizer = self.policy.export(job_name(model.id))
         name = body.get("path")
         if kind == "save_weights_for_sampler" and name is None:  # ephemeral: a sampler, no checkpoint
@@ -326,9 +344,9 @@ class TinkerTrainer:
                                    config_json, weights)
             sampler = wire.TinkerSampler(id=f"{model.session}:sample:{seq}", tenant=model.tenant,
                                          base_model=model.base_model, adapter=adapter)
-            self._wait(wire.write(self.bus, "sampler", sampler.id, sampler))
-            return msgspec.json.encode({"path": None, "sampling_session_id": sampler.id,
-                                        "type": "save_weights_for_sampler"})
+            return Done("json", msgspec.json.encode({"path": None, "sampling_session_id": sampler.id,
+                                                     "type": "save_weights_for_sampler"}),
+                        records=[("sampler", sampler.id, sampler)])
         segment = "sampler_weights" if kind == "save_weights_for_sampler" else "weights"
         path = f"tinker://{model.id}/{segment}/{name}"
         adapter, state = self._put(wire.model_prefix(model, "checkpoints", uuid.uuid4().hex[:12]), config_json, weights,
@@ -336,18 +354,12 @@ class TinkerTrainer:
         checkpoint = wire.TinkerCheckpoint(path=path, tenant=model.tenant, model_id=model.id,
                                            kind="sampler" if state is None else "state", adapter=adapter,
                                            optimizer=state, rank=model.rank, created_at=time.time())
-        self._wait(wire.write(self.bus, "checkpoint", path, checkpoint))
-        self._wait(wire.index(self.bus, model.tenant, model.id, path))
-        return msgspec.json.encode({"path": path, "type": kind})
-
-    def _wait(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return Done("json", msgspec.json.encode({"path": path, "type": kind}), records=[("checkpoint", path, checkpoint)])
 
 
 async def run_tinker(rt, policy: PolicyTrainer) -> None:
     """Take Tinker training requests until ``rt.stop``."""
-    trainer = TinkerTrainer(rt.bus, rt.store, policy, rt.config.base_model_dir, asyncio.get_running_loop(),
-                            rt.config.rollout.max_model_len)
+    trainer = TinkerTrainer(rt.bus, rt.store, policy, rt.config.base_model_dir, rt.config.rollout.max_model_len)
     await rt.bus.consume("TINKER", "trainer-tinker", f"{wire.TRAIN_SUBJECT}.>", trainer.handle, stop=rt.stop,
                          ack_wait_s=rt.config.trainer.ack_wait_s, concurrency=1,
                          max_deliver=-1)  # a request waiting for its turn is redelivered until it comes
