@@ -42,7 +42,6 @@ MAX_CHUNK_BYTES = 512 * 1024  # forward_backward chunks the SDK sends: each must
 MAX_REQUEST_BYTES = 640 * 1024  # any one request: base64 in the queued JSON, it must fit a 1 MiB NATS message
 MAX_CHUNK_DATUMS = 64  # ... and hold at most this many datums
 PROTO = "application/x-protobuf"
-MAX_SAMPLES = 64  # num_samples of one asample
 CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
@@ -358,12 +357,16 @@ async def asample(request: Request, tenant: TenantRecord) -> dict:
     if len(raw) > MAX_REQUEST_BYTES:
         raise ApiError(413, f"a sampling request of {len(raw)} bytes is over {MAX_REQUEST_BYTES}: shorten the prompt")
     n = body.get("num_samples", 1)
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
-        raise ApiError(400, f"num_samples must be a whole number from 1 to {MAX_SAMPLES}, not {n!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= wire.MAX_SAMPLES:
+        raise ApiError(400, f"num_samples must be a whole number from 1 to {wire.MAX_SAMPLES}, not {n!r}")
     try:
         wire.prompt_tokens(body.get("prompt"))
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
+    params = body.get("sampling_params") or {}
+    seed = params.get("seed") if isinstance(params, dict) else None
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < wire.MAX_SEED):
+        raise ApiError(400, f"sampling_params.seed must be a whole number from 0 to {wire.MAX_SEED - 1}, not {seed!r}")
     await gateway.bus.publish(f"{wire.SAMPLE_SUBJECT}.{tenant.name}", msgspec.json.encode(wire.SampleRequest(
         request_id=request_id, tenant=tenant.name, sampler=sampler, body=raw, submitted_at=time.time())),
         msg_id=request_id)

@@ -97,8 +97,10 @@ class TinkerSampler:
         if limit < 1:
             raise SampleError(f"the prompt has {len(prompt)} tokens: the engine holds {limit + len(prompt)} "
                               "(rollout.max_model_len) with the sampled ones; shorten it")
-        if not 1 <= n <= 64:  # the gateway refuses more (services/gateway/tinker.py, MAX_SAMPLES)
-            raise SampleError(f"num_samples is {n}: ask for 1 to 64")
+        if not 1 <= n <= wire.MAX_SAMPLES:  # the gateway refuses these first; a queued request is checked again
+            raise SampleError(f"num_samples is {n}: ask for 1 to {wire.MAX_SAMPLES}")
+        if numbers["seed"] is not None and not 0 <= numbers["seed"] < wire.MAX_SEED:
+            raise SampleError(f"sampling_params.seed must be 0 to {wire.MAX_SEED - 1}")
         if max_tokens is None or not 1 <= max_tokens <= limit:
             raise SampleError(f"sampling_params.max_tokens must be set, 1 to {limit} (the engine's "
                               f"max_model_len less the {len(prompt)}-token prompt)")
@@ -110,7 +112,7 @@ class TinkerSampler:
         stop_strings = [stop] if isinstance(stop, str) else [s for s in stop or [] if isinstance(s, str)]
         stop_ids = [s for s in stop or [] if isinstance(s, int)] if not isinstance(stop, str) else []
         seed = params.get("seed")
-        seeds = [seed + j if seed is not None else random.getrandbits(31) for j in range(n)]
+        seeds = [(seed + j) % wire.MAX_SEED if seed is not None else random.getrandbits(31) for j in range(n)]
         lora = await self.adapter(request.sampler.adapter)
         try:
             turns = await asyncio.gather(*[

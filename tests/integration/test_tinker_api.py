@@ -371,8 +371,8 @@ def test_a_wrong_or_missing_key_is_refused(url, keys):
     for key in ("tml-mlt_alice_" + "0" * 32, "tml-nonsense", keys["alice"][4:]):
         with http(url, key) as api:
             answer = api.post("/create_session", json={})
-        assert answer.status_code == 401 and "X-API-Key" in answer.json()["error"] or "not accepted" in \
-            answer.json()["error"], answer.text
+        error = answer.json()["error"]
+        assert answer.status_code == 401 and ("X-API-Key" in error or "not accepted" in error), answer.text
 
 
 def test_a_sdk_client_with_another_tenants_key_fails_cleanly(url, keys, trained):
@@ -516,6 +516,8 @@ def test_hostile_requests_get_clear_errors_and_the_model_keeps_working(url, keys
                                         "base_model": BASE, "lora_config": {"rank": 4, "seed": "x"}}}, "seed"),
             ("/asample", {"json": {"base_model": BASE, "prompt": "hello"}}, "prompt"),
             ("/asample", {"json": {"model_path": ["tinker://x"], "prompt": {"chunks": []}}}, "model_path"),
+            ("/asample", {"json": {"base_model": BASE, "prompt": {"chunks": [{"tokens": [1]}]},
+                                   "sampling_params": {"max_tokens": 2, "seed": 10**30}}}, "seed"),
             ("/retrieve_future", {"content": b"{not json"}, "not JSON"),
         ):
             answer = api.post(path, **kwargs)
