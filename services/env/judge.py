@@ -40,7 +40,7 @@ import structlog
 
 from marlaas.platform.config import EnvConfig
 from marlaas.platform.events import RewardItem, RewardRequest, RewardResult
-from marlaas.tools.protocol import final_answer
+from marlaas.tools.protocol import final_answer, without_thinking
 from marlaas.tools.registry import reward_subject
 
 log = structlog.get_logger("env.judge")
@@ -49,7 +49,6 @@ JUDGE_SUBJECT = reward_subject("judge")
 MAX_ANSWER_CHARS = 1000  # a final answer is short; a runaway completion must not fill the judge's context
 YES = frozenset({"yes", "correct", "true"})
 NO = frozenset({"no", "incorrect", "wrong", "false"})
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 _LABEL = re.compile(r"^\s*(verdict|answer|judgement|judgment|score)\s*[:=-]\s*", re.IGNORECASE)
 _FIRST_WORD = re.compile(r"[a-z]+|\d+(?:\.\d+)?")
 
@@ -72,7 +71,7 @@ def judge_prompt(question: str, references: list[str], answer: str) -> str:
 def parse_verdict(reply: str) -> float | None:
     """The reward a judge's reply stands for: 1.0 for yes, 0.0 for no, a score in [0, 1] as
     itself; None when the reply is none of those."""
-    text = _LABEL.sub("", _THINK.sub("", reply).strip().lower())
+    text = _LABEL.sub("", without_thinking(reply).strip().lower())
     word = _FIRST_WORD.search(text)
     if word is None or text[:word.start()].strip(" *\"'`_(["):  # the verdict must come first
         return None
@@ -88,7 +87,7 @@ def parse_verdict(reply: str) -> float | None:
 
 def judged_answer(completion: str) -> str:
     """The part of a completion the judge reads: its final answer, no ``<think>`` blocks, capped."""
-    return _THINK.sub("", final_answer(completion)).strip()[-MAX_ANSWER_CHARS:]
+    return without_thinking(final_answer(completion)).strip()[-MAX_ANSWER_CHARS:]
 
 
 def question_and_references(item: RewardItem, position: int) -> tuple[str, list[str]]:

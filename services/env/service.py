@@ -63,7 +63,8 @@ async def run(rt: Runtime) -> None:
             request = decode_reward_request(data)
             if isinstance(request, RewardResult):
                 return encode(request)
-            result = score_matched(name, MATCHERS[name], request)
+            # the completions are a model's output, untrusted: scored off the event loop
+            result = await asyncio.to_thread(score_matched, name, MATCHERS[name], request)
             if result.error:
                 log.warning("reward request refused", job=request.job, error=result.error)
             return encode(result)

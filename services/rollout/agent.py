@@ -13,7 +13,10 @@ parser takes) or a reply that is not a tool result becomes an observation the mo
 task's ``max_observation_tokens`` by characters before it is tokenized, and tokenized in a
 worker thread: a tool that sends megabytes never stalls other episodes. An episode ends when
 the model answers (no call), runs out of its turn budget, reaches its task's call limit, or
-would overflow the context.
+would overflow the context. The model's turn is decoded and its call parsed in a worker
+thread under ``read_deadline_s``: should a turn ever take longer to read, that episode is cut
+(``read_timeout``) and every other episode goes on (parsing is linear, so this is a fence, not
+a path taken).
 """
 
 from __future__ import annotations
@@ -150,6 +153,7 @@ class EpisodeLimits:
     max_observation_tokens: int
     max_total_tokens: int  # prompt + everything after it, within rollout.max_model_len
     tool_timeout_s: float
+    read_deadline_s: float = 2.0  # decoding and parsing one turn (linear, well under a millisecond)
 
 
 class ToolBox:
@@ -209,8 +213,15 @@ async def run_episode(engine: PolicyEngine, fmt: ConversationFormat, prompt_ids:
         if episode.turns:
             episode.cached_tokens.append(turn.cached_tokens)
         episode.add_turn(turn.token_ids, turn.logprobs)
-        text = fmt.tokenizer.decode(turn.token_ids, skip_special_tokens=True)  # the sampled ids, not .text
-        call = read_call(text, tools.job) if turn.finish_reason == "stop" and limits.max_tool_calls else None
+        wants_call = turn.finish_reason == "stop" and limits.max_tool_calls
+        try:  # off the event loop and under a deadline: the text is the model's, hence untrusted
+            call = await asyncio.wait_for(asyncio.to_thread(read_turn, fmt.tokenizer, turn.token_ids, tools.job),
+                                          limits.read_deadline_s) if wants_call else None
+        except TimeoutError:
+            log.warning("reading a turn's tool call missed its deadline; the episode is cut", job=tools.job,
+                        deadline_s=limits.read_deadline_s, turn_tokens=len(turn.token_ids))
+            episode.end_reason = "read_timeout"
+            return episode
         if call is None:
             episode.end_reason = "answer" if turn.finish_reason == "stop" else "length"
             return episode
@@ -233,6 +244,11 @@ async def run_episode(engine: PolicyEngine, fmt: ConversationFormat, prompt_ids:
             episode.end_reason = "context_full"
             return episode
         episode.add_observation(observation)
+
+
+def read_turn(tokenizer, token_ids: list[int], job: str) -> ParsedCall | CallError | None:
+    """The call in one sampled turn, read from its decoded ids (never vLLM's ``.text``)."""
+    return read_call(tokenizer.decode(token_ids, skip_special_tokens=True), job)
 
 
 def read_call(text: str, job: str) -> ParsedCall | CallError | None:

@@ -9,8 +9,8 @@ and logprobs line up before the batch leaves rollout.
 
 A reward judges only the model's own final turn (``final_turn_ids``), never a tool's output,
 whatever the chat template. An episode that did not end with an answer (``length``,
-``max_tool_calls``, ``context_full``) is *truncated*; the job's ``grpo.truncated`` says what
-happens to it (:func:`settle_truncated`).
+``max_tool_calls``, ``context_full``, ``read_timeout``) is *truncated*; the job's
+``grpo.truncated`` says what happens to it (:func:`settle_truncated`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Literal
 from marlaas.platform.events import Sample
 
 SegmentKind = Literal["sampled", "observation"]
-END_REASONS = ("answer", "length", "max_tool_calls", "context_full")
-TRUNCATED_REASONS = ("length", "max_tool_calls", "context_full")
+END_REASONS = ("answer", "length", "max_tool_calls", "context_full", "read_timeout")
+TRUNCATED_REASONS = ("length", "max_tool_calls", "context_full", "read_timeout")
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,8 @@ from marlaas.tasks.base import TaskError
 from marlaas.tasks.gsm8k import final_answer as final_number
 from marlaas.tasks.gsm8k import parse_number
 from marlaas.tasks.search_qa import normalize_answer
-from marlaas.tools.protocol import final_answer
+from marlaas.tools.protocol import final_answer, without_thinking
 
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 _ROLE_LINE = re.compile(r"^\s*assistant\s*\n")  # what a chat template leaves once special tokens are skipped
 
 Matcher = Callable[[dict, str], float]
@@ -35,7 +34,7 @@ Matcher = Callable[[dict, str], float]
 
 def answer_text(completion: str) -> str:
     """What the model answered: after its last tool response, without ``<think>`` blocks or a role line."""
-    return _ROLE_LINE.sub("", _THINK.sub("", final_answer(completion))).strip()
+    return _ROLE_LINE.sub("", without_thinking(final_answer(completion))).strip()
 
 
 def references(row: dict) -> list[str]:

@@ -30,11 +30,10 @@ from collections import Counter
 from pathlib import Path
 
 from marlaas.tasks.base import json_records, Task, TaskError
-from marlaas.tools.protocol import final_answer
+from marlaas.tools.protocol import final_answer, without_thinking
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 _ROLE_LINE = re.compile(r"^\s*assistant\s*\n")  # what a chat template leaves once special tokens are skipped
 _ANSWER_LABEL = re.compile(r"\banswer\s*:", re.IGNORECASE)
 
@@ -71,7 +70,7 @@ def extract_answer(completion: str) -> str:
     """The answer a completion commits to: its text after the last tool response, without
     ``<think>`` blocks or a chat template's role line, after the last ``Answer:`` label if it
     writes one, first non-empty line only."""
-    text = _ROLE_LINE.sub("", _THINK.sub("", final_answer(completion)))
+    text = _ROLE_LINE.sub("", without_thinking(final_answer(completion)))
     labels = list(_ANSWER_LABEL.finditer(text))
     if labels:
         text = text[labels[-1].end():]

@@ -11,7 +11,6 @@ response early and fake a turn (special tokens are split by the tokenizer; see t
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
 import msgspec
@@ -26,7 +25,6 @@ TRUNCATED = "...[truncated]"
 MAX_CALL_CHARS = 32_768  # a call is read only up to this length (a turn is a few hundred tokens)
 MAX_CALL_DEPTH = 32  # nested brackets of a call's JSON (a tool's arguments need a handful)
 CHARS_PER_TOKEN = 16  # a result is cut to max_tokens * this many characters before it is tokenized
-_BRACKETS_OUTSIDE_STRINGS = re.compile(r'"(?:[^"\\]+|\\.)*"|[\[\]{}]')
 
 
 @dataclass(frozen=True)
@@ -124,17 +122,32 @@ def decode_json(text: str, what: str):
 
 
 def json_depth(text: str, limit: int) -> int:
-    """How deep ``[`` / ``{`` nest in ``text`` outside JSON strings (counting stops past ``limit``)."""
+    """How deep ``[`` / ``{`` nest in ``text`` outside JSON strings (counting stops past ``limit``).
+
+    One pass over the characters, so linear in ``len(text)`` whatever the text: a string left
+    open (a model's call cut mid-argument) just runs to the end. The regex this replaces
+    backtracked exponentially on such a string and froze the rollout service's event loop
+    (issue 35).
+    """
     depth = deepest = 0
-    for match in _BRACKETS_OUTSIDE_STRINGS.finditer(text):
-        token = match.group()
-        if token in "[{":
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
             depth += 1
             if depth > deepest:
                 deepest = depth
                 if deepest > limit:
                     break
-        elif token in "]}":
+        elif char in "]}":
             depth -= 1
     return deepest
 
@@ -167,3 +180,25 @@ def final_answer(completion: str) -> str:
     """
     at = completion.rfind(RESPONSE_CLOSE)
     return (completion[at + len(RESPONSE_CLOSE):] if at >= 0 else completion).strip()
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def without_thinking(text: str) -> str:
+    """``text`` without its ``<think>...</think>`` blocks (each open tag closed by the next close
+    tag; an open tag never closed stays as written).
+
+    Two ``str.find`` calls a block, so linear in ``len(text)``: the regex ``<think>.*?</think>``
+    rescans to the end of the text from every open tag that is never closed (quadratic on a
+    model's output of repeated open tags).
+    """
+    kept, at = [], 0
+    while (start := text.find(THINK_OPEN, at)) >= 0:
+        end = text.find(THINK_CLOSE, start + len(THINK_OPEN))
+        if end < 0:
+            break
+        kept.append(text[at:start])
+        at = end + len(THINK_CLOSE)
+    kept.append(text[at:])
+    return "".join(kept)

@@ -147,7 +147,7 @@ def tool(function: Callable | None = None, *, name: str | None = None,
 
 
 _SECTION = re.compile(r"^(Args|Arguments|Parameters|Returns|Raises|Yields|Examples?):\s*$")
-_PARAM = re.compile(r"^\s*(\w+)\s*(\([^)]*\))?\s*:\s*(.*)$")
+_PARAM = re.compile(r"^\s*+(\w++)\s*+(\([^)]*+\))?\s*+:\s*+(.*)$")  # possessive: no backtracking
 
 
 def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
