@@ -290,11 +290,14 @@ class Rollout:
                 attrs["tokens"] = sum(len(seg.ids) for e in episodes for seg in e.segments if seg.kind == "sampled")
                 metrics = episode_metrics(episodes) if task.kind == "agentic" else {}
                 attrs.update(metrics)
-        texts = [self.transcript(e) for e in episodes]
+        # decoding the model's output is CPU work on untrusted ids: off the event loop
+        texts = await asyncio.to_thread(lambda: [self.transcript(e) for e in episodes])
         scored = to_score(episodes, grpo.truncated)
         async with span(self.bus, SERVICE, "reward", spec.id, version) as attrs:
-            pairs = [(problems[k // grpo.group_size], self.final_turn(e))
-                     for k, (e, s) in enumerate(zip(episodes, scored)) if s]
+            finals = await asyncio.to_thread(
+                lambda: [self.final_turn(e) if s else "" for e, s in zip(episodes, scored)])
+            pairs = [(problems[k // grpo.group_size], final)
+                     for k, (final, s) in enumerate(zip(finals, scored)) if s]
             judged = iter(await self.rewards(spec, pairs))
             rewards = settle_truncated(episodes, [next(judged) if s else None for s in scored], grpo.truncated)
             attrs["rewards_sha"] = digest([None if r is None else round(r, 6) for r in rewards])

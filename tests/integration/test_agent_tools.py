@@ -207,3 +207,41 @@ async def test_no_model_output_and_no_tool_output_breaks_an_episode_or_stalls_th
     assert observation.endswith("...[truncated]</tool_response>")
     assert len(episode.segments[1].ids) <= 200 + len(FMT.observation_ids("", 200))  # the budget and the frame
     assert longest_gap < 0.5, f"the event loop stalled {longest_gap:.2f}s on a 900 kB tool result"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("length", [40, 1_000, 30_000])
+async def test_an_unclosed_string_of_any_length_is_read_in_linear_time_and_the_loop_runs_on(served, length):
+    """Issue 35: a call whose argument string is never closed froze the rollout service (the
+    bracket scan backtracked exponentially: 40 characters took hours). Now it is a call error
+    the model reads, while the event loop keeps running (no watchdog report, no long gap)."""
+    from marlaas.platform.loop_watchdog import LoopWatchdog
+
+    roomy = EpisodeLimits(max_new_tokens=96, max_tool_calls=3, max_observation_tokens=200,
+                          max_total_tokens=40_000, tool_timeout_s=5.0)
+    turn = '<tool_call>{"name":"acme.echo","arguments":{"text":"' + "a" * length + "</tool_call>"
+    watchdog = LoopWatchdog(asyncio.get_running_loop(), 0.5, "test", every_s=0.05).start()
+    try:
+        episode, observation = await episode_with(served, turn, limits=roomy)
+    finally:
+        watchdog.stop()
+    assert "not valid JSON" in observation and "write it as <\\/tool_call>" in observation
+    assert episode.tool_errors == 1 and watchdog.reports == 0
+
+
+@pytest.mark.timeout(60)
+async def test_a_turn_not_read_within_its_deadline_cuts_only_its_episode(served):
+    """Reading a turn runs in a worker thread under ``read_deadline_s``: an episode whose turn
+    is not read in time ends as ``read_timeout`` (a truncated episode), and the episode beside
+    it goes on to its answer."""
+    strict = EpisodeLimits(max_new_tokens=96, max_tool_calls=3, max_observation_tokens=200, max_total_tokens=480,
+                           tool_timeout_s=1.0, read_deadline_s=0.0)
+    box = ToolBox("acme.job-1", ["acme.add"], served.request, 1.0)
+    call = render_call("acme.add", {"a": 2, "b": 3})
+    cut, whole = await asyncio.gather(
+        run_episode(ScriptedEngine([call, "done"]), FMT, FMT.prompt_ids("q=", []), tools=box, limits=strict,
+                    temperature=1.0, lora=None, seed=lambda turn: turn),
+        run_episode(ScriptedEngine([call, "done"]), FMT, FMT.prompt_ids("q=", []), tools=box, limits=LIMITS,
+                    temperature=1.0, lora=None, seed=lambda turn: turn))
+    assert cut.end_reason == "read_timeout" and cut.truncated and cut.turns == 1 and cut.tool_calls == 0
+    assert whole.end_reason == "answer" and whole.tool_successes == 1 and whole.turns == 2

@@ -1,6 +1,7 @@
 """What every service process shares: config from ``--config``, logging, the bus, the store,
 and shutdown as a protocol (SIGINT/SIGTERM set ``stop``; the service drains and returns, or
-exits anyway once :data:`SHUTDOWN_GRACE_S` has passed)."""
+exits anyway once :data:`SHUTDOWN_GRACE_S` has passed), and a watchdog that reports an event
+loop held past ``loop_block_warn_s``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import msgspec
 from marlaas.platform.bus import Bus
 from marlaas.platform.config import Config, load_config, read_config_json
 from marlaas.platform.logs import setup_logging
+from marlaas.platform.loop_watchdog import LoopWatchdog
 from marlaas.platform.processes import SHUTDOWN_GRACE_S, end_own_group, exit_if_still_running_after
 from marlaas.platform.store import ObjectStore, open_store
 
@@ -87,9 +89,11 @@ def run_service(name: str, argv: list[str] | None = None, *, platform: bool = Tr
             await bus.ensure_topology(duplicate_window_s=config.duplicate_window_s, replicas=config.nats_replicas)
             store = open_store(config.resolved_store_url)
         runtime = Runtime(name, config, bus, store, stop)
+        watchdog = LoopWatchdog(loop, config.loop_block_warn_s, name).start()
         try:
             await main(runtime)
         finally:
+            watchdog.stop()
             await bus.close()
             log.info("stopped")
 
