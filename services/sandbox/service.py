@@ -23,6 +23,7 @@ from marlaas.platform.runtime import Runtime
 from marlaas.tools import BUILTIN, ServedTools, Tool, serve_tools
 from services.env.tools import checked_python_tool
 from services.env.tools.latency import InjectedLatency
+from services.env.tools.sandbox_turns import TenantTaggingBus
 
 log = structlog.get_logger("sandbox")
 RETRY_S = 1.0  # between announcements while env's registrar does not answer yet
@@ -34,7 +35,8 @@ async def serve_announced(rt: Runtime, python: Tool) -> ServedTools | None:
     latency = InjectedLatency(rt.config.env.tool_latency_s)
     while not rt.stop.is_set():
         try:
-            return await serve_tools(rt.bus, [python], BUILTIN, delay=latency or None, tenant=True)
+            return await serve_tools(TenantTaggingBus(rt.bus), [python], BUILTIN, delay=latency or None,
+                                     tenant=True)
         except TimeoutError as exc:  # tolerated: env's registrar is not up yet
             log.info("registrar not answering yet; retrying", error=str(exc))
             await asyncio.sleep(RETRY_S)

@@ -148,3 +148,25 @@ async def test_through_the_registrar_the_sandbox_announces_only_python(sandbox):
     refused = await sandbox.nc.request("marlaas.registry.builtin.announce",
                                        encode(ToolSpec(name="weather", namespace="acme")), timeout=5)
     assert b"may announce only its own tools" in refused.data
+
+
+async def test_one_tenants_runs_take_turns_by_its_jobs_and_another_tenant_runs_beside_them(stack, services):
+    """Issue 35, F6, through the bus: the tenant of each call is its job's, so twelve calls of
+    mallory's jobs run at most ``env.python_max_runs_per_tenant`` (4) at once, though the replica
+    holds 8, and alice's call, asked after them, runs beside them rather than after them."""
+    code = "import time; s = time.time(); time.sleep(1.0); print(s, time.time())"
+
+    async def call(job: str, n: int) -> tuple[float, float]:
+        request = ToolCall(call_id=f"c{n}", tool="builtin.python", job=job, arguments=json.dumps({"code": code}))
+        reply = json.loads(await services.request("marlaas.tool.builtin.python", encode(request), timeout_s=30))
+        assert reply["error"] == "", reply
+        start, end = reply["output"].split()[:2]
+        return float(start), float(end)
+
+    mallory = [asyncio.create_task(call(f"mallory.job{n % 3}-0a0b0c", n)) for n in range(12)]
+    await asyncio.sleep(0.5)  # mallory's calls reach the sandbox first
+    alice = await call("alice.job-0d0e0f", 99)
+    mallorys = await asyncio.gather(*mallory)
+    edges = sorted([(s, 1) for s, _ in mallorys] + [(e, -1) for _, e in mallorys])
+    assert max(sum(step for _, step in edges[:i + 1]) for i in range(len(edges))) <= 4
+    assert sum(start > alice[0] for start, _ in mallorys) >= 4  # alice did not wait behind the queue

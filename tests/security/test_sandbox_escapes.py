@@ -536,6 +536,73 @@ async def test_user_namespaces_cannot_be_created_and_mounts_are_refused():
     assert capabilities == "0000000000000000"  # no capability left, in any namespace
 
 
+# --- kernel keys ---------------------------------------------------------------------------------
+
+KEY_SYSCALLS = {"x86_64": (248, 250), "aarch64": (217, 219)}  # add_key, keyctl
+LEAVE_KEYS = """
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    add_key = {syscalls}[0]
+    for ring in (-3, -4, -5):  # session, user, user-session
+        key = libc.syscall(add_key, b"user", b"marlaas-{marker}", b"secret-{marker}", 23, ring)
+        print(ring, key, ctypes.get_errno())
+"""
+FIND_KEYS = """
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    keyctl = {syscalls}[1]
+    found, buf = [], ctypes.create_string_buffer(64)
+    for ring in (-3, -4, -5):  # KEYCTL_SEARCH: by description, through the run's keyrings
+        if libc.syscall(keyctl, 10, ring, b"user", b"marlaas-{marker}", 0) != -1:
+            found.append(f"search {{ring}}")
+    for key in {keys}:  # KEYCTL_READ: by serial number, as a run that guessed it would
+        if libc.syscall(keyctl, 11, key, buf, 64) != -1:
+            found.append(f"read {{key}}: {{buf.value}}")
+    print("found", found)
+"""
+ENV_WITH_SESSION_KEYRING = """
+import asyncio, ctypes, json, sys, textwrap
+from services.env.tools.python_sandbox import SandboxLimits, run_python
+
+# a session keyring, as a container runtime, a systemd service or a login shell gives the env
+assert ctypes.CDLL(None, use_errno=True).syscall({keyctl}, 1, None) > 0, "KEYCTL_JOIN_SESSION_KEYRING"
+
+async def main():
+    first = await run_python(textwrap.dedent(sys.argv[1]), SandboxLimits(), sys.argv[3])
+    keys = [int(line.split()[1]) for line in first.stdout.splitlines() if int(line.split()[1]) > 0]
+    second = await run_python(textwrap.dedent(sys.argv[2].replace("__KEYS__", repr(keys))),
+                              SandboxLimits(), sys.argv[3])
+    print(json.dumps([first.uid, first.render(), second.uid, second.render()]))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("isolation", ["bwrap", "none"])
+def test_a_runs_kernel_keys_are_not_found_by_the_next_run(marker, isolation):
+    """Run 1 adds a key to each keyring it can name (session, user, user-session); run 2, on the
+    same host uid, finds none by description nor reads one by serial number. The env holds a
+    session keyring, which runs used to share with it and with each other (issue 35, F12)."""
+    syscalls = KEY_SYSCALLS.get(os.uname().machine)
+    if syscalls is None:
+        pytest.skip(f"no keyctl syscall numbers for {os.uname().machine} in this test")
+    leave = LEAVE_KEYS.format(syscalls=syscalls, marker=marker)
+    find = FIND_KEYS.format(syscalls=syscalls, marker=marker, keys="__KEYS__")
+    script = ENV_WITH_SESSION_KEYRING.format(keyctl=syscalls[1])
+    for _ in range(5):  # another process's runs may take the uid slot between the two runs
+        done = subprocess.run([sys.executable, "-c", script, leave, find, isolation], capture_output=True,
+                              text=True, timeout=60, cwd=Path(__file__).resolve().parents[2], check=False)
+        assert done.returncode == 0, done.stderr
+        first_uid, first, second_uid, second = json.loads(done.stdout.splitlines()[-1])
+        if first_uid == second_uid:
+            break
+    else:
+        pytest.fail("the two runs never had the same uid: the test proves nothing")
+    added = [line for line in first.splitlines() if line.startswith("-")]
+    assert len(added) == 3 and all(int(line.split()[1]) > 0 for line in added), first  # keys were added
+    assert second.startswith("found []\n"), second
+
+
 # --- the env's configuration ---------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from services.env.tools import python_tool
 from services.env.tools.python_sandbox import SandboxError, SandboxLimits, run_python
+from services.env.tools.sandbox_turns import CALLING_TENANT, RunCaps, RunTurns
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -185,3 +186,37 @@ async def test_runs_do_not_block_the_event_loop():
     ticker.cancel()
     assert [r.stdout for r in runs] == [f"{i}\n" for i in range(4)]
     assert time.monotonic() - started < 3 and ticks >= 10
+
+
+def most_at_once(intervals: list[tuple[float, float]]) -> int:
+    """The most of ``intervals`` (start, end) that overlap at one instant."""
+    edges = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    at_once = most = 0
+    for _, step in edges:  # an end sorts before a start at the same instant
+        at_once += step
+        most = max(most, at_once)
+    return most
+
+
+async def test_forty_runs_of_one_tenant_take_turns_and_another_tenant_still_runs():
+    """Issue 35, F6: runs past the caps wait for a slot (and all complete); the runs themselves
+    record when they ran, so what ran at once is seen from inside the sandbox, not assumed."""
+    turns = RunTurns(RunCaps(max_runs=6, max_runs_per_tenant=4, queue_timeout_s=60.0))
+    python = python_tool(QUICK, turns=turns)
+    source = '{"code": "import time; s = time.time(); time.sleep(0.3); print(s, time.time())"}'
+
+    async def call(tenant: str) -> tuple[float, float]:
+        CALLING_TENANT.set(tenant)  # as the serving bus sets it: this task's own
+        output = await python.call(source)
+        start, end = output.splitlines()[0].split()
+        return float(start), float(end)
+
+    mallory = [asyncio.create_task(call("mallory")) for _ in range(40)]
+    while turns.running["mallory"] < 4:
+        await asyncio.sleep(0.01)
+    alice = await call("alice")  # issued while mallory has 36 waiting
+    mallorys = await asyncio.gather(*mallory)
+    assert len(mallorys) == 40 and turns.peak <= 6 and not turns.running and not turns.queues
+    assert most_at_once(mallorys) <= 4
+    assert most_at_once(mallorys + [alice]) <= 6
+    assert sum(start > alice[0] for start, _ in mallorys) >= 20  # alice did not wait behind the queue

@@ -5,7 +5,9 @@ as a :func:`marlaas.tools.tool`, so it is served by the same shell as a tenant's
 :func:`serve_builtin_tools` subscribes env's on a bus and keeps them announced. ``search``
 reads the configured corpus, or the job's own when its call's context names one
 (``{"corpus": path}``, set by the job's task). ``python`` is served by the ``sandbox`` service
-(``services/sandbox``, through :func:`checked_python_tool`) unless ``env.python_tool = "env"``.
+(``services/sandbox``, through :func:`checked_python_tool`) unless ``env.python_tool = "env"``;
+its runs take turns per tenant (``sandbox_turns.py``), so whoever serves it serves it on a
+:class:`TenantTaggingBus`, which tells the tool each call's tenant.
 ``search`` (and its BM25 library) is imported only when used, so the sandbox starts light.
 """
 
@@ -25,6 +27,7 @@ from services.env.tools.calculator import CalculatorError, calculate, format_val
 from services.env.tools.latency import InjectedLatency
 from services.env.tools.python_sandbox import (Isolation, SandboxError, SandboxLimits, SandboxUnavailable,
                                                check_isolation, run_python)
+from services.env.tools.sandbox_turns import CALLING_TENANT, RunCaps, RunTurns, TenantTaggingBus
 
 if TYPE_CHECKING:
     from services.env.tools.search import CorpusIndexes, SearchIndex
@@ -84,7 +87,11 @@ def search_tool(index: SearchIndex, default_k: int, job_corpora: CorpusIndexes |
     return search
 
 
-def python_tool(limits: SandboxLimits, isolation: Isolation = "bwrap") -> Tool:
+def python_tool(limits: SandboxLimits, isolation: Isolation = "bwrap", turns: RunTurns | None = None) -> Tool:
+    """The python tool; its runs take ``turns`` (default caps if None) by the tenant in
+    :data:`CALLING_TENANT` (set when served on a :class:`TenantTaggingBus`)."""
+    turns = RunTurns() if turns is None else turns
+
     @tool(name="python")
     async def python(code: str) -> str:
         """Run Python 3 code in a sandbox (no network, limited time and memory) and return its
@@ -94,7 +101,8 @@ def python_tool(limits: SandboxLimits, isolation: Isolation = "bwrap") -> Tool:
             code: a complete Python program.
         """
         try:
-            run = await run_python(code, limits, isolation)
+            async with turns.slot(CALLING_TENANT.get()):
+                run = await run_python(code, limits, isolation)
         except SandboxError as exc:
             raise ToolError(str(exc)) from None
         return run.render()
@@ -106,6 +114,12 @@ def sandbox_limits(env: EnvConfig) -> SandboxLimits:
     return SandboxLimits(timeout_s=env.python_timeout_s, memory_mb=env.python_memory_mb)
 
 
+def run_turns(env: EnvConfig) -> RunTurns:
+    """The run slots of this replica's python tool, as ``env.python_max_runs*`` configure them."""
+    return RunTurns(RunCaps(max_runs=env.python_max_runs, max_runs_per_tenant=env.python_max_runs_per_tenant,
+                            queue_timeout_s=env.python_queue_timeout_s))
+
+
 async def checked_python_tool(env: EnvConfig) -> Tool | None:
     """The python tool, or None (logged as an error) where its configured isolation is unavailable:
     env then serves its other tools, and a job naming ``python`` is refused at submit."""
@@ -113,13 +127,13 @@ async def checked_python_tool(env: EnvConfig) -> Tool | None:
         log.warning("python_tool_unisolated", isolation="none",
                     detail="env.python_isolation = \"none\": model code runs without namespaces, as the "
                            "host sees it (rlimits and a temp dir only)")
-        return python_tool(sandbox_limits(env), "none")
+        return python_tool(sandbox_limits(env), "none", run_turns(env))
     try:
         await check_isolation(env.python_isolation)
     except SandboxUnavailable as exc:
         log.error("python_tool_not_served", isolation=env.python_isolation, reason=str(exc))
         return None
-    return python_tool(sandbox_limits(env), env.python_isolation)
+    return python_tool(sandbox_limits(env), env.python_isolation, run_turns(env))
 
 
 def search_cache_dir(config: Config) -> Path:
@@ -144,4 +158,5 @@ async def builtin_tools(config: Config, files: DataFiles | None = None) -> list[
 async def serve_builtin_tools(bus: Bus, config: Config, files: DataFiles | None = None) -> ServedTools:
     """Serve the built-ins on ``marlaas.tool.builtin.<name>`` with the configured injected latency."""
     latency = InjectedLatency(config.env.tool_latency_s)
-    return await serve_tools(bus, await builtin_tools(config, files), BUILTIN, delay=latency or None)
+    return await serve_tools(TenantTaggingBus(bus), await builtin_tools(config, files), BUILTIN,
+                             delay=latency or None)

@@ -13,6 +13,9 @@ The code is untrusted (a policy a tenant steers writes it), so each run gets, wi
   lock file, so no two live runs share one, across env processes too), no groups;
 - ``no_new_privs`` (bwrap sets it: setuid binaries do not elevate), a new session (no
   terminal injection), an empty environment but ``PATH`` and ``LANG``, ``python -I``;
+- a new, empty session keyring, and (as root) the uid's user keyrings emptied before the code
+  starts, so no kernel key passes from one run to the next or from the env to a run
+  (``sandbox_launcher.py`` says what exactly is isolated);
 - per-run memory and process limits from a cgroup of its own (v1 ``memory`` + ``pids``, or
   v2 where the env's cgroup delegates both) when the env is root; otherwise the fallback:
   ``RLIMIT_AS`` per process plus ``RLIMIT_NPROC`` on the run's unique uid, which bounds a
@@ -27,7 +30,8 @@ What it does NOT guarantee: protection from kernel exploits and side channels (t
 VM, and there is no seccomp filter); reads of what ``/usr`` holds (world-readable system files
 and packages); CPU share between concurrent runs (each may use a core until its limits).
 Without root, all runs share the env's uid and get no per-run process or memory total (the
-output notes it). ``isolation = "none"`` (an operator's explicit choice) runs the code
+output notes it). How many runs go at once, per tenant and per replica, is decided before a
+run starts (``sandbox_turns.py``). ``isolation = "none"`` (an operator's explicit choice) runs the code
 directly: rlimits, a temp dir and an empty environment only, no namespaces.
 
 The parts: this module (the env's side: bwrap's arguments, output capture, timeouts, the

@@ -7,11 +7,24 @@ for its namespace's init, which ``--die-with-parent`` then kills; reparented her
 here rather than left a zombie for the host's PID 1 (which in a container may never reap). It
 dies with the env (parent-death signal). Without bwrap (isolation "none") it execs python.
 Failures before that are reported as a JSON line on the status pipe.
+
+Kernel keys: the run starts in a new, empty session keyring of its own (joined here, after the
+uid drop, so the run's uid owns it). Without that it would share the env's session keyring
+(inherited across fork, exec and setuid, and writable by whoever possesses it, whatever its
+uid), so one run's keys would be read by the next, and the env's by every run. The user and
+user-session keyrings are the uid's: under bwrap they belong to the run's own user namespace
+(Linux 5.3+), gone with it; as root the run's uid is its own while it lives, and both are
+cleared here before its code starts, so nothing a former holder of the uid left there is
+found. What is NOT isolated: without root every run shares the env's uid, so concurrent runs
+may read each other's keys by their serial numbers (as they may each other's processes), and
+with isolation "none" also the env user's own user keyring. Where keyctl is denied (a
+seccomp policy, a kernel without keys), the run cannot use keys at all, which is as good.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import resource
@@ -22,6 +35,11 @@ LAUNCHER_FAILED = 125
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+KEYCTL_SYSCALL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "i686": 288, "armv7l": 311}
+KEYCTL_JOIN_SESSION_KEYRING = 1
+KEYCTL_CLEAR = 7
+KEY_SPEC_USER_KEYRING = -4
+KEY_SPEC_USER_SESSION_KEYRING = -5
 
 
 def _report(fd: int, **fields) -> None:
@@ -53,6 +71,7 @@ def _launch() -> None:
             os.setresuid(uid, uid, uid)
             if os.getresuid() != (uid, uid, uid):
                 raise RuntimeError("could not drop privileges")
+        _fresh_keyrings(own_uid=params["uid"] is not None)
         if params["chdir"]:
             os.chdir(params["chdir"])
         os.umask(0o077)
@@ -84,6 +103,28 @@ def _prctl(option: int, value: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(option, value, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
+
+
+def _fresh_keyrings(own_uid: bool) -> None:
+    """Join a new anonymous session keyring; with ``own_uid`` (the run's uid is its own) also
+    empty the uid's user and user-session keyrings (see the module docstring for what this
+    isolates). Raises where keys exist but cannot be isolated."""
+    machine = os.uname().machine
+    if machine not in KEYCTL_SYSCALL:
+        raise RuntimeError(f"no keyctl syscall number known for {machine}: cannot give the run a "
+                           f"keyring of its own (add it to KEYCTL_SYSCALL in {__file__})")
+    libc = ctypes.CDLL(None, use_errno=True)
+    keyctl = KEYCTL_SYSCALL[machine]
+    calls = [(KEYCTL_JOIN_SESSION_KEYRING, None)]
+    if own_uid:
+        calls += [(KEYCTL_CLEAR, KEY_SPEC_USER_KEYRING), (KEYCTL_CLEAR, KEY_SPEC_USER_SESSION_KEYRING)]
+    for operation, argument in calls:
+        if libc.syscall(ctypes.c_long(keyctl), ctypes.c_long(operation),
+                        ctypes.c_void_p(None) if argument is None else ctypes.c_long(argument)) == -1:
+            err = ctypes.get_errno()
+            if err in (errno.ENOSYS, errno.EPERM):  # no keys for anyone here, the run included
+                return
+            raise OSError(err, f"keyctl({operation}) failed: {os.strerror(err)}")
 
 
 def _reap_all(bwrap: int) -> None:
