@@ -21,7 +21,7 @@ JSON_TYPES = ("application/json", "")  # no Content-Type: read as JSON
 TOML_TYPES = ("application/toml", "text/x-toml", "text/toml")
 EXAMPLE = '{"task": "addition", "steps": 10}'
 MAX_NESTING = 32  # levels of arrays / objects / tables; bounds the work (and recursion) a body causes
-_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+AT_PATH = " - at `$"  # how msgspec ends an error with where it was: "... - at `$.grpo.seed`"
 _MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
 
 
@@ -52,6 +52,16 @@ def parse_body(body: bytes, content_type: str) -> dict:
     if nesting(tree) > MAX_NESTING:
         raise too_deep()
     return tree
+
+
+def split_error_path(text: str) -> tuple[str, str]:
+    """A msgspec error's message and the path it names (``"grpo.seed"``; ``""`` when none), split
+    with ``rfind``: the text holds the tenant's field names, so no regex that could backtrack."""
+    at = text.rfind(AT_PATH)
+    path = text[at + len(AT_PATH):-1] if at >= 0 and text.endswith("`") else ""
+    if at < 0 or not text.endswith("`") or "`" in path:
+        return text, ""
+    return text[:at], path.lstrip(".")
 
 
 def too_deep() -> SubmissionRefused:
@@ -90,11 +100,13 @@ def nesting(value, limit: int = MAX_NESTING) -> int:
     return 1 + max((nesting(child, limit - 1) for child in children), default=0)
 
 
-def check_submission(tree: dict, tenant: str, allow_paths_under: str = "") -> dict:
+def check_submission(tree: dict, tenant: str, allow_paths_under: str = "", idempotency_key: str = "") -> dict:
     """Put the token's tenant into the tree and check its fields and types; return the tree.
 
     A body naming another tenant is refused (403): the tenant of a job is its token's. Its data
     (``dataset``, ``corpus``, ``eval_dataset``) must be uploaded files (see :func:`data_fields`).
+    ``idempotency_key`` (the ``Idempotency-Key`` header) goes into the tree: the manager answers a
+    repeated key with the job it created for it, so a client retrying after a 503 submits once.
     """
     named = tree.get("tenant")
     if named is not None and named != tenant:
@@ -102,6 +114,8 @@ def check_submission(tree: dict, tenant: str, allow_paths_under: str = "") -> di
                                      "drop 'tenant' (jobs always go to the token's tenant) or use that "
                                      "tenant's token")
     tree = {**tree, "tenant": tenant}
+    if idempotency_key:
+        tree["idempotency_key"] = idempotency_key
     try:
         api.parse_submission(tree)
     except api.SubmitError as exc:
@@ -139,12 +153,11 @@ def explain(exc: api.SubmitError) -> str:
         return message
     text = str(cause)
     missing = _MISSING.search(text)
-    parts = _AT.match(text)
-    where = (parts["path"] or "").lstrip(".") if parts else ""
+    what, where = split_error_path(text)
     if missing:
         field = f"{where}.{missing['field']}" if where else missing["field"]
         return f"missing required field '{field}': every job needs 'task' and 'steps', e.g. {EXAMPLE}"
-    what = (parts["what"] if parts else text).replace("`", "")
+    what = what.replace("`", "")
     if not where:
         return f"invalid job: {what}; send an object of fields, e.g. {EXAMPLE}"
     return f"field '{where}': {what[:1].lower()}{what[1:]}; give '{where}' a value of that type"

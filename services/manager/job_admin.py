@@ -2,7 +2,12 @@
 
 The manager stays the only writer of job records, so these run here (``marlaas.api.pin``,
 ``marlaas.api.delete``) and not in the gateway; the quota is checked here too, inside the
-manager's submission lock, so gateway replicas cannot race past it.
+manager's submission lock, so gateway replicas cannot race past it. For the same reason the
+gateway's Tinker API records sessions and models through the manager (``marlaas.api.tinker_session``,
+``marlaas.api.tinker_model``): a tenant's live Tinker models count against ``max_jobs`` beside its
+jobs, and its live sessions against ``manager.max_tinker_sessions``, each counted and taken in one
+step under that lock (issue 35, F5: 24 concurrent ``create_model`` calls had made 24 models
+against a quota of 8).
 
 Deleting a job removes everything of it: the job record and ``versions`` entry (with
 their history), its adapters, optimizer states and trajectory blobs in the object
@@ -14,13 +19,14 @@ may still write an object or two after that, so the same sweep runs again a litt
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
 
 from marlaas.platform import api, tinker
-from marlaas.platform.bus import JOBS_BUCKET, SAMPLED_BUCKET, VERSIONS_BUCKET, Bus
+from marlaas.platform.bus import JOBS_BUCKET, SAMPLED_BUCKET, TINKER_BUCKET, VERSIONS_BUCKET, Bus
 from marlaas.platform.events import JOB_RECORD, JobRecord, JobSpec, JobState
 from marlaas.platform.store import ObjectStore
 from marlaas.platform.tenants import get_tenant
@@ -52,9 +58,15 @@ def no_job(job: str) -> str:
     return f"no job {job!r}; `marlaas list` shows your jobs"
 
 
-async def quota_refusal(bus: Bus, tenant: str, unfinished_jobs: list[JobRecord]) -> str:
-    """Why ``tenant`` may not add a job now ("" = it may): it has ``max_jobs`` queued or running
-    (``unfinished_jobs``: every tenant's, from the manager's index).
+SUBMIT_AGAIN = "wait for one to finish or cancel one (`marlaas cancel JOB`), then submit again"
+CREATE_MODEL_AGAIN = ("finish a Tinker session (close its ServiceClient) or cancel a job (`marlaas cancel JOB`), "
+                      "then create the model again")
+
+
+async def quota_refusal(bus: Bus, tenant: str, unfinished_jobs: list[JobRecord], then: str = SUBMIT_AGAIN) -> str:
+    """Why ``tenant`` may not add a job or a Tinker model now ("" = it may): it has ``max_jobs``
+    queued or running jobs and live Tinker models (``unfinished_jobs``: every tenant's, from the
+    manager's index); ``then`` says what to do about it.
 
     A tenant without a record (jobs submitted straight over NATS by internal tools) is not limited.
     """
@@ -67,7 +79,74 @@ async def quota_refusal(bus: Bus, tenant: str, unfinished_jobs: list[JobRecord])
         return ""
     also = f" and {models} Tinker models in live sessions" if models else ""
     return (f"tenant {tenant!r} already has {unfinished} jobs queued or running{also}, its quota (max_jobs = "
-            f"{record.max_jobs}): wait for one to finish or cancel one (`marlaas cancel JOB`), then submit again")
+            f"{record.max_jobs}): {then}")
+
+
+class LiveSessions:
+    """Each tenant's Tinker sessions not known to have finished: the ids, built by one scan of the
+    ``tinker`` bucket on first use and kept by the manager, which records every new session; each
+    count re-reads the tenant's own sessions only (however many other tenants' the bucket holds)."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self._ids: dict[str, set[str]] | None = None
+
+    async def count(self, tenant: str, now: float | None = None) -> int:
+        """``tenant``'s live sessions (``marlaas.platform.tinker.is_live``); finished ones leave the index."""
+        now = time.time() if now is None else now
+        if self._ids is None:
+            self._ids = {}
+            for session_key in await self.bus.kv_keys(TINKER_BUCKET, under="session"):
+                entry = await self.bus.kv_get(TINKER_BUCKET, session_key)
+                session = msgspec.json.decode(entry.value, type=tinker.TinkerSession) if entry else None
+                if session is not None and not session.finished:
+                    self._ids.setdefault(session.tenant, set()).add(session.id)
+        live = 0
+        for session_id in sorted(self._ids.get(tenant, ())):
+            session = await tinker.read(self.bus, "session", session_id, tinker.TinkerSession)
+            if session is None or session.finished:
+                self._ids[tenant].discard(session_id)
+            else:
+                live += tinker.is_live(session, now)
+        return live
+
+    def add(self, session: tinker.TinkerSession) -> None:
+        if self._ids is not None:
+            self._ids.setdefault(session.tenant, set()).add(session.id)
+
+
+async def create_tinker_session(manager: Manager, data: bytes) -> api.TinkerReply:
+    """Record a new Tinker session unless its tenant already has ``manager.max_tinker_sessions``
+    live ones (HTTP 429)."""
+    session = msgspec.json.decode(data, type=api.TinkerSessionRequest).session
+    limit = manager.config.manager.max_tinker_sessions
+    async with manager.submitting_lock:
+        live = await manager.sessions.count(session.tenant)
+        if live >= limit:
+            return api.TinkerReply(code=api.QUOTA, error=(
+                f"tenant {session.tenant!r} already has {live} live Tinker sessions, the most a tenant may hold "
+                f"(manager.max_tinker_sessions = {limit}): close a ServiceClient you no longer use (its session "
+                f"ends), or wait {tinker.SESSION_LIVE_S:.0f} s for a silent one to lapse, then create it again"))
+        await tinker.write(manager.bus, "session", session.id, session)
+        manager.sessions.add(session)
+    log.info("tinker session created", tenant=session.tenant, session=session.id)
+    return api.TinkerReply(id=session.id)
+
+
+async def create_tinker_model(manager: Manager, data: bytes) -> api.TinkerReply:
+    """Record a Tinker model if its tenant's unfinished jobs and live models stay under ``max_jobs``
+    (HTTP 429); a model already recorded (a retried request) is answered as created."""
+    model = msgspec.json.decode(data, type=api.TinkerModelRequest).model
+    async with manager.submitting_lock:
+        if await tinker.read(manager.bus, "model", model.id, tinker.TinkerModel, model.tenant) is not None:
+            return api.TinkerReply(id=model.id)
+        refusal = await quota_refusal(manager.bus, model.tenant, await manager.unfinished_records(),
+                                      then=CREATE_MODEL_AGAIN)
+        if refusal:
+            return api.TinkerReply(error=refusal, code=api.QUOTA)
+        await tinker.write(manager.bus, "model", model.id, model)
+    log.info("tinker model created", tenant=model.tenant, model=model.id)
+    return api.TinkerReply(id=model.id)
 
 
 async def size_refusal(bus: Bus, spec: JobSpec) -> str:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -38,7 +40,11 @@ from marlaas.tools.registry import BUILTIN_REWARDS, ToolNameError, read_tool, re
 from services.manager.adaptive import AdaptiveAdmission
 from services.manager.admission import job_footprint, kv_bytes_per_token, to_admit
 from services.manager.gc import collect_job
-from services.manager.job_admin import delete_job, pin_version, quota_refusal, size_refusal
+from services.manager.job_admin import (
+    LiveSessions, create_tinker_model, create_tinker_session, delete_job, pin_version, quota_refusal, remove_job_data,
+    size_refusal,
+)
+from services.manager.sizing import longest_prompt_tokens, max_token_chars, prompts_refusal, system_refusal
 
 log = structlog.get_logger("manager")
 _SLUG = re.compile(r"[^a-z0-9]+")
@@ -82,6 +88,8 @@ class Manager:
         self.budget_bytes = int(config.manager.kv_budget_gib * 2**30)
         self._admission = asyncio.Lock()
         self._submitting = asyncio.Lock()  # a tenant's quota is counted and its job created as one step
+        self._tokenizing = threading.Lock()  # validations run in threads; a fast tokenizer is not re-entrant
+        self.sessions = LiveSessions(bus)  # each tenant's Tinker sessions, counted under _submitting
         self._background: set[asyncio.Task] = set()
         self._collecting: dict[str, asyncio.Task] = {}  # each job's running garbage collection
         self._collect_again: set[str] = set()  # ... and committed again meanwhile
@@ -96,14 +104,24 @@ class Manager:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.token_chars = max_token_chars(list(self.tokenizer.get_vocab()))
         self.lora_targets = linear_module_names(self.model_dir)
 
     # --- submission ---------------------------------------------------------------------------
 
     def validate(self, request: api.SubmitRequest) -> JobRecord:
-        """A queued job record from a submission, or :class:`api.SubmitError` saying what to fix."""
+        """A queued job record from a submission, or :class:`api.SubmitError` saying what to fix.
+
+        It reads the job's data and tokenizes its prompts: :meth:`submit` runs it in a thread. The
+        cheap bounds come first (fields, then each text's length in characters: see ``sizing``),
+        so that an oversized submission is refused before any costly step."""
         g, lora, rc = request.grpo, request.lora, self.config.rollout
+        system_too_long = system_refusal(request.system, rc.max_model_len, self.token_chars)
         problems = [
+            (bool(system_too_long), system_too_long),
+            (len(request.idempotency_key) > api.MAX_IDEMPOTENCY_KEY_CHARS,
+             f"idempotency_key must be at most {api.MAX_IDEMPOTENCY_KEY_CHARS} characters (send one per "
+             "submission, e.g. a UUID)"),
             (len(request.name) > 64, "name must be at most 64 characters"),
             (not _TENANT.match(request.tenant), "tenant must be lowercase letters, digits and '-'"),
             (not 1 <= request.steps <= MAX_STEPS, f"steps must be between 1 and {MAX_STEPS}"),
@@ -154,13 +172,14 @@ class Manager:
         g = msgspec.structs.replace(g, max_new_tokens=g.max_new_tokens or task.max_new_tokens)
         tools = tuple(request.tools) if request.tools is not None else task.tools
         self.check_tool_names(request, task, tools)
-        prompt_tokens = max(len(self.tokenizer.encode(request.system + prompt, add_special_tokens=False))
-                            for prompt in task.longest_prompts())
-        if prompt_tokens + g.max_new_tokens > rc.max_model_len:
-            raise api.SubmitError(
-                f"prompt ({prompt_tokens} tokens) + grpo.max_new_tokens ({g.max_new_tokens}) exceeds "
-                f"rollout.max_model_len ({rc.max_model_len}); lower max_new_tokens"
-            )
+        if g.max_new_tokens >= rc.max_model_len:
+            raise api.SubmitError(f"grpo.max_new_tokens ({g.max_new_tokens}) leaves no room for the prompt: it "
+                                  f"exceeds rollout.max_model_len ({rc.max_model_len}); lower max_new_tokens")
+        prompts = task.longest_prompts()
+        if refusal := prompts_refusal(prompts, rc.max_model_len, self.token_chars):
+            raise api.SubmitError(refusal)
+        prompt_tokens = longest_prompt_tokens(self.count_tokens, request.system, prompts, rc.max_model_len,
+                                              g.max_new_tokens)
         episode_tokens = min(task.max_episode_tokens(g.max_new_tokens), rc.max_model_len - prompt_tokens)
         footprint = job_footprint(g.prompts_per_step, g.group_size, prompt_tokens, episode_tokens,
                                   self.bytes_per_token)
@@ -172,7 +191,7 @@ class Manager:
             )
         name = request.name.strip() or request.task
         slug = _SLUG.sub("-", name.lower()).strip("-")[:40] or "job"
-        spec = JobSpec(id=f"{request.tenant}.{slug}-{uuid.uuid4().hex[:6]}", tenant=request.tenant,
+        spec = JobSpec(id=job_id(request.tenant, slug, request.idempotency_key), tenant=request.tenant,
                        name=name, task=request.task, steps=request.steps, seed=request.seed,
                        dataset=request.dataset, corpus=request.corpus, tools=tools,
                        eval_every=request.eval_every, eval_problems=request.eval_problems,
@@ -180,6 +199,12 @@ class Manager:
                        grpo=g, lora=lora,
                        submitted_at=time.time())
         return JobRecord(spec=spec, kv_cache_bytes=footprint)
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Each text's tokens (no special tokens added), one batch call: a fast tokenizer counts
+        a batch in parallel, outside the GIL."""
+        with self._tokenizing:
+            return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     @staticmethod
     def check_tool_names(request: api.SubmitRequest, task, tools: tuple[str, ...]) -> None:
@@ -230,7 +255,8 @@ class Manager:
     async def submit(self, data: bytes) -> api.SubmitReply:
         try:
             request = api.parse_submission(msgspec.json.decode(data))
-            record = await self.resolve_tools(self.validate(request))
+            # off the event loop: reading the data and tokenizing take time (bounded, see validate)
+            record = await self.resolve_tools(await asyncio.to_thread(self.validate, request))
             if refusal := await size_refusal(self.bus, record.spec):
                 raise api.SubmitError(refusal)
             await self.check_reward_served(record.spec)
@@ -238,6 +264,9 @@ class Manager:
             return api.SubmitReply(error=str(exc), code=api.INVALID)
         spec = record.spec
         async with self._submitting:
+            if request.idempotency_key and await self.bus.kv_get(JOBS_BUCKET, spec.id) is not None:
+                log.info("submission repeated: answered with its job", job=spec.id)
+                return api.SubmitReply(id=spec.id)  # the id is the key's: the same submission, retried
             refusal = await quota_refusal(self.bus, spec.tenant, await self.unfinished_records())
             if refusal:
                 return api.SubmitReply(error=refusal, code=api.QUOTA)
@@ -263,6 +292,11 @@ class Manager:
             await self.bus.kv_delete(JOBS_BUCKET, job)
             raise
         self._unfinished.add(job)
+
+    @property
+    def submitting_lock(self) -> asyncio.Lock:
+        """Held while a tenant's quota is counted and what it counts (a job, a Tinker model) created."""
+        return self._submitting
 
     @property
     def admission_lock(self) -> asyncio.Lock:
@@ -323,6 +357,7 @@ class Manager:
     async def note_queued(self, job: str, reason: str) -> None:
         """Say on a queued job's record, and on its state subject, why it is still queued (the
         reason is cleared when it is admitted). A failure here is only logged."""
+        reason = api.cut(reason)
 
         def change(r: JobRecord) -> JobRecord | None:
             return None if r.state is not JobState.QUEUED or r.reason == reason else msgspec.structs.replace(
@@ -406,7 +441,8 @@ class Manager:
                          **fields) -> bool:
         """Move a job to ``state`` unless it is already finished; publish the change. A finished
         job frees room: an admission pass follows, unless ``admit_next`` is False (the caller is
-        one, holding its lock)."""
+        one, holding its lock). ``reason`` is cut to ``api.MAX_ERROR_CHARS``."""
+        reason = api.cut(reason)
 
         def change(r: JobRecord) -> JobRecord | None:
             if r.state.finished or r.state is state:
@@ -414,7 +450,7 @@ class Manager:
             done = {"finished_at": time.time()} if state.finished else {}
             return msgspec.structs.replace(r, state=state, reason=reason, **fields, **done)
 
-        if await self.update(job, change) is None:
+        if (record := await self.update(job, change)) is None:
             return False
         await self.bus.publish(f"marlaas.job.state.{job}",
                                encode(JobStateChanged(job=job, state=state, reason=reason, at=time.time())))
@@ -422,9 +458,33 @@ class Manager:
         if state.finished:
             if self._unfinished is not None:
                 self._unfinished.discard(job)
+            self.in_background(self.delete_oldest_finished(record.spec.tenant))
             if admit_next:
                 await self.try_admission()
         return True
+
+    async def delete_oldest_finished(self, tenant: str) -> None:
+        """Delete ``tenant``'s finished jobs beyond its newest ``manager.max_finished_jobs``, each
+        whole as a tenant's delete does (a failure is logged: the next finish tries again)."""
+        keep = self.config.manager.max_finished_jobs
+        try:
+            # a job's id starts with its tenant's name and a dot (tenant names have no dots)
+            keys = [key for key in await self.bus.kv_keys(JOBS_BUCKET) if key.startswith(f"{tenant}.")]
+            if len(keys) <= keep:
+                return
+            finished = []
+            for key in keys:
+                entry = await self.bus.kv_get(JOBS_BUCKET, key)
+                record = JOB_RECORD.decode(entry.value) if entry else None
+                if record is not None and record.state.finished:
+                    finished.append((record.finished_at, key))
+            for _, job in oldest_beyond(finished, keep):
+                async with self._admission:
+                    deleted = await remove_job_data(self.bus, self.store, job)
+                log.info("finished job deleted: its tenant has more than manager.max_finished_jobs",
+                         job=job, tenant=tenant, objects=deleted, keep=keep)
+        except Exception:
+            log.exception("deleting a tenant's oldest finished jobs failed; the next finish retries", tenant=tenant)
 
     async def on_policy(self, delivery: Delivery) -> None:
         event = POLICY.decode(delivery.data)
@@ -555,6 +615,21 @@ MAX_WARNINGS = 16  # per job: what it depends on is bounded (its tools and rewar
 MAX_WARNING_CHARS = 500
 
 
+def oldest_beyond(finished: list[tuple[float, str]], keep: int) -> list[tuple[float, str]]:
+    """The ``(finished_at, job)`` pairs older than the newest ``keep`` (ties: by job id)."""
+    return sorted(finished)[:max(len(finished) - keep, 0)]
+
+
+def job_id(tenant: str, slug: str, idempotency_key: str = "") -> str:
+    """A new job's id: ``<tenant>.<slug>-<suffix>``, the suffix random, or with an idempotency key
+    its hash (48 bits: the same key gives the same id, and so the same job; a tenant's keys never
+    collide in practice)."""
+    if not idempotency_key:
+        return f"{tenant}.{slug}-{uuid.uuid4().hex[:6]}"
+    digest = hashlib.sha256(f"{tenant}\n{idempotency_key}".encode()).hexdigest()[:12]
+    return f"{tenant}.{slug}-{digest}"
+
+
 def _with_warning(record: JobRecord, event: JobWarningReported) -> JobRecord | None:
     """``record`` with ``event``'s warning set (or cleared); None when nothing changes."""
     key, text = event.key[:100], event.warning[:MAX_WARNING_CHARS]
@@ -587,6 +662,8 @@ async def run(rt: Runtime) -> None:
     await rt.bus.serve(api.DELETE, "manager", _reply(lambda data: delete_job(manager, data)))
     await rt.bus.serve(api.PIN, "manager", _reply(lambda data: pin_version(manager, data)))
     await rt.bus.serve(api.PING, "manager", _pong)
+    await rt.bus.serve(api.TINKER_SESSION, "manager", _reply(lambda data: create_tinker_session(manager, data)))
+    await rt.bus.serve(api.TINKER_MODEL, "manager", _reply(lambda data: create_tinker_model(manager, data)))
     if manager.adaptive:
         await rt.bus.nc.subscribe(span_subject(">"), cb=manager.on_span)  # engine and train spans
     rt.ready()

@@ -1,7 +1,11 @@
 """The manager's user API over NATS request/reply, and the job-submission format.
 
 Subjects: ``marlaas.api.submit`` / ``.status`` / ``.cancel`` / ``.delete`` / ``.pin`` /
-``.ping``. Replies carry ``error`` (for people) and ``code`` (for programs: the HTTP
+``.ping``, and ``.tinker_session`` / ``.tinker_model`` (the gateway's Tinker API records a session
+or a model through the manager, which counts it against the tenant's quota under the same lock as
+job submissions: gateway replicas cannot race past it). Only platform users can publish on
+``marlaas.api.*``: a tenant's NATS account has no import of it.
+Replies carry ``error`` (for people) and ``code`` (for programs: the HTTP
 gateway maps it to a status). A submission is the
 same whether it comes from a TOML job file, CLI flags or the SDK: a
 :class:`SubmitRequest`, checked for unknown keys (a typo fails loudly) and then
@@ -15,6 +19,8 @@ from typing import Any
 import msgspec
 
 from marlaas.platform.events import EvalPoint, GrpoSettings, JobRecord, LoraSettings
+from marlaas.platform.limits import MAX_ERROR_CHARS, cut  # re-exported: the manager cuts what it stores
+from marlaas.platform.tinker import TinkerModel, TinkerSession
 
 SUBMIT = "marlaas.api.submit"
 STATUS = "marlaas.api.status"
@@ -22,13 +28,16 @@ CANCEL = "marlaas.api.cancel"
 DELETE = "marlaas.api.delete"
 PIN = "marlaas.api.pin"
 PING = "marlaas.api.ping"  # the manager answers: readiness checks, nothing read
+TINKER_SESSION = "marlaas.api.tinker_session"
+TINKER_MODEL = "marlaas.api.tinker_model"
 
 # reply codes: what kind of refusal an ``error`` is
 INVALID = "invalid"  # the request itself is wrong (a submission's field, a version out of range)
-QUOTA = "quota"  # the tenant already has its max_jobs queued or running
+QUOTA = "quota"  # the tenant already has its max_jobs (jobs and live Tinker models), or max_tinker_sessions
 NOT_FOUND = "not_found"  # no such job for this tenant (another tenant's job reads the same)
 FINISHED = "finished"  # the job already ended: it cannot be cancelled
 UNAVAILABLE = "unavailable"  # the broker or store failed while recording it: nothing was created; retry
+MAX_IDEMPOTENCY_KEY_CHARS = 128
 
 
 # sampling settings vLLM has but the trainer could not reproduce when it scores a batch
@@ -58,6 +67,9 @@ class SubmitRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     eval_dataset: str | None = None  # held-out JSONL for dataset tasks
     grpo: GrpoSettings = msgspec.field(default_factory=GrpoSettings)
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
+    # the same key (per tenant) answers the same job: a client retrying a submission whose answer it
+    # never got does not submit twice (the SDK sends one per submit; HTTP: the Idempotency-Key header)
+    idempotency_key: str = ""
 
 
 def _check_keys(tree: Any, type_: type, where: str) -> None:
@@ -88,6 +100,28 @@ class SubmitReply(msgspec.Struct, kw_only=True):
     id: str = ""
     error: str = ""
     code: str = ""  # INVALID, QUOTA or UNAVAILABLE when error is set
+
+
+class TinkerSessionRequest(msgspec.Struct, kw_only=True):
+    """Record ``session`` (a new Tinker session) if its tenant has fewer than
+    ``manager.max_tinker_sessions`` live ones."""
+
+    session: TinkerSession
+
+
+class TinkerModelRequest(msgspec.Struct, kw_only=True):
+    """Record ``model`` unless it exists, if its tenant's jobs and live models stay under
+    ``max_jobs``; an existing model is answered as created (a retried ``create_model``)."""
+
+    model: TinkerModel
+
+
+class TinkerReply(msgspec.Struct, kw_only=True):
+    """The recorded session's or model's id, or why not: ``code`` QUOTA (HTTP 429) or INVALID (400)."""
+
+    id: str = ""
+    error: str = ""
+    code: str = ""
 
 
 class StatusRequest(msgspec.Struct, kw_only=True):

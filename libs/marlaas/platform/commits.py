@@ -16,6 +16,7 @@ from marlaas.platform.events import (
     PolicyCommitted,
     encode,
 )
+from marlaas.platform.limits import cut
 
 
 def policy_subject(job: str) -> str:
@@ -61,5 +62,5 @@ async def report_warning(bus: Bus, job: str, service: str, key: str, warning: st
 
 async def report_failure(bus: Bus, job: str, service: str, reason: str, version: int = -1) -> None:
     """Tell the manager that ``job`` (and only it) failed in ``service``; it marks the job failed."""
-    event = JobFailureReported(job=job, service=service, reason=reason, version=version)
+    event = JobFailureReported(job=job, service=service, reason=cut(reason), version=version)
     await bus.publish(f"marlaas.job.failure.{job}", encode(event))

@@ -22,7 +22,9 @@ import hashlib
 import os
 import tarfile
 import tempfile
+import time
 import tomllib
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -112,6 +114,9 @@ def parse_sse(lines: Iterator[str]) -> Iterator[Event]:
                 fields[name] = value
 
 
+SUBMIT_RETRIES_S = (2.0, 4.0)  # a submission without an answer is sent again (same Idempotency-Key) after these
+
+
 class Client:
     """A tenant's handle on the HTTP API at ``url``, authenticated by ``token``."""
 
@@ -166,11 +171,23 @@ class Client:
 
     def submit(self, job: dict | str | os.PathLike) -> str:
         """Submit a job (a dict of job-file fields, or the path of a TOML job file); returns its id.
-        Local files named in its data fields are uploaded first (see :meth:`with_uploaded_data`)."""
+        Local files named in its data fields are uploaded first (see :meth:`with_uploaded_data`).
+
+        A submission that got no answer (a 5xx, or none at all) is sent again, twice
+        (``SUBMIT_RETRIES_S``), with the same ``Idempotency-Key``: the manager answers a
+        repeated key with the job it created for it, so a retry never submits the job twice."""
         body = read_job_file(job) if isinstance(job, (str, os.PathLike)) else dict(job)
         body = self.with_uploaded_data(body)
-        reply = self._request("POST", "/v1/jobs", content=msgspec.json.encode(body),
-                              headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json", "Idempotency-Key": uuid.uuid4().hex}
+        for delay in SUBMIT_RETRIES_S:
+            try:
+                return self._post_job(body, headers)
+            except ServerError:
+                time.sleep(delay)
+        return self._post_job(body, headers)
+
+    def _post_job(self, body: dict, headers: dict[str, str]) -> str:
+        reply = self._request("POST", "/v1/jobs", content=msgspec.json.encode(body), headers=headers)
         return msgspec.json.decode(reply.content, type=Submitted).id
 
     def with_uploaded_data(self, job: dict) -> dict:
