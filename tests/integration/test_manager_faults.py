@@ -312,3 +312,27 @@ async def test_a_finished_jobs_last_garbage_collection_does_not_hold_up_other_jo
         store.released.set()
         await stop_manager(manager, stop, consuming)
     assert (await record_of(bus, last.job)).state is JobState.COMPLETED
+
+
+# --- bounds (issue 35) ------------------------------------------------------------------------
+
+
+async def test_a_tenants_finished_jobs_beyond_the_bound_are_deleted_oldest_first(bus, file_store, tmp_path):
+    """``manager.max_finished_jobs``: a tenant's finished jobs past the newest N are deleted whole
+    (record and data) as each job finishes; its other jobs and other tenants' are untouched."""
+    config = load_config(overrides={"home": str(tmp_path / "home"), "manager.max_finished_jobs": 2}, env={})
+    manager = await asyncio.to_thread(Manager, bus, file_store, config)
+    jobs = [(await manager.submit(submission(f"job{k}"))).id for k in range(4)]
+    other = (await manager.submit(submission("theirs", tenant="zeta"))).id
+    running = (await manager.submit(submission("still-queued"))).id
+    assert all(jobs) and other and running
+    for job in (*jobs, other):
+        assert (await manager.cancel(msgspec.json.encode({"job": job}))).state == "cancelled"
+        await asyncio.sleep(0.05)  # distinct finished_at, in this order
+
+    async def kept() -> list[str] | None:
+        present = [job for job in (*jobs, other, running) if await record_of(bus, job) is not None]
+        return present if len(present) == 4 else None
+
+    assert await eventually(kept, what="acme's two oldest finished jobs deleted") == [jobs[2], jobs[3], other,
+                                                                                      running]
