@@ -4,7 +4,6 @@ bob's; her job's reward curve is drawn (checked in the DOM and in a screenshot's
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 
 import pytest
@@ -16,7 +15,6 @@ from marlaas.sdk.http import Client
 from marlaas.stack.launcher import SERVICES, Stack
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(400)]
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 JOB = {"task": "reverse", "steps": 3, "seed": 1, "grpo": {"prompts_per_step": 4, "group_size": 4}}
 CURVE_BLUE = (31, 95, 191)  # app.css: svg.chart polyline's stroke
 
@@ -43,26 +41,6 @@ def site(tmp_path_factory):
                 assert time.monotonic() < deadline, alice.job(mine)
                 time.sleep(0.5)
         yield url, tokens, mine, theirs
-
-
-@pytest.fixture
-def browser(tmp_path):
-    if not (CHROMIUM and CHROMEDRIVER):
-        pytest.fail("chromium and chromedriver are missing: `make setup` installs them (scripts/install-system.sh)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1280,1000", f"--user-data-dir={tmp_path / 'profile'}"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 def sign_in(driver, url: str, token: str) -> None:

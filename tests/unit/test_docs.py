@@ -40,3 +40,20 @@ def test_the_site_builds_strictly_with_the_generated_references(tmp_path):
     assert "Client.submit(" in job_page and "Client.from_env(" in job_page
     tools_page = (tmp_path / "agentic" / "index.html").read_text()
     assert "serve_async(" in tools_page and "The contract" in tools_page  # the reward's, from its docstring
+
+
+def test_the_architecture_diagram_is_drawn_to_svg_at_the_build(tmp_path):
+    """Issue 36: the diagram is a picture in the built site (SVG drawn by Graphviz at the build,
+    nothing fetched from another host), not diagram source shown as code."""
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=100)
+    assert done.returncode == 0, done.stdout + done.stderr
+    page = (tmp_path / "architecture" / "index.html").read_text()
+    start = page.index('<div class="diagram"')
+    svg = page[start:page.index("</svg>", start)]
+    assert "<svg" in svg and "<g id=\"graph0\"" in svg
+    for node in ("gateway", "manager", "rollout", "trainer", "env", "sandbox", "POLICY", "TRAJ work queue"):
+        assert f">{node}" in svg, node  # each drawn as a text label of the picture
+    assert "digraph" not in page and "flowchart" not in page and "```" not in page
+    assert "<script" not in svg and "http://" not in svg.replace("http://www.w3.org/", "")
