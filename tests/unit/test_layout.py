@@ -81,3 +81,30 @@ def test_no_circle_of_imports():
         if name not in index:
             visit(name)
     assert not circles, f"modules that import each other in a circle: {circles}"
+
+
+# --- the wrong-way ties cut in issue 36 ---------------------------------------------------------
+
+
+def test_the_runtime_names_no_service_module():
+    """Each entry point hands its ``run`` to ``run_service``: the platform never imports a service
+    (by name or by an importlib string)."""
+    source = (PKG / "platform" / "runtime.py").read_text()
+    tree = ast.parse(source)
+    calls = {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    assert not {c for c in calls if "import_module" in c or c == "__import__"}, calls
+    assert "services." not in source.replace("python -m services.", "")
+
+
+def test_reading_the_tool_protocol_loads_no_bus():
+    """Rollout's parser (``marlaas.tools.protocol``) is pure: importing it loads neither the bus
+    nor the NATS client (the package's SDK names load when first used)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, marlaas.tools.protocol; "
+             "print(sorted(m for m in sys.modules if m == 'nats' or m.startswith(('nats.', 'marlaas.platform.bus', "
+             "'marlaas.tools.sdk', 'marlaas.tools.registry'))))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
-import importlib
 import os
 import signal
 from collections.abc import Awaitable, Callable
@@ -56,10 +55,14 @@ def parse_config(name: str, argv: list[str] | None = None) -> Config:
     return load_config(args.config)
 
 
-def run_service(name: str, argv: list[str] | None = None, *, platform: bool = True,
-                inbox_prefix: str | None = None) -> None:
-    """Entry point body: parse config, set up logging, import ``services.<name>.service`` (the
-    heavy imports: torch, vLLM) and run its ``run`` until SIGINT/SIGTERM.
+ServiceMain = Callable[[Runtime], Awaitable[None]]
+
+
+def run_service(name: str, service: Callable[[], ServiceMain], argv: list[str] | None = None, *,
+                platform: bool = True, inbox_prefix: str | None = None) -> None:
+    """Entry point body: parse config, set up logging, then call ``service()`` (the entry point's
+    own loader, which imports the heavy modules: torch, vLLM) and run the ``run`` it returns
+    until SIGINT/SIGTERM. The platform never names a service's module: each hands its own.
 
     ``platform=False`` runs a service that holds none of the platform's data (the sandbox): it
     neither creates the streams and buckets nor opens the object store (its broker user may not
@@ -70,7 +73,7 @@ def run_service(name: str, argv: list[str] | None = None, *, platform: bool = Tr
     log = setup_logging(name, config.log_format, config.log_level)
     if not config.nats_url:
         raise SystemExit(f"{name}: nats_url is not set (use `marlaas up`, or set MARLAAS_NATS_URL)")
-    main: Callable[[Runtime], Awaitable[None]] = importlib.import_module(f"services.{name}.service").run
+    main = service()
 
     async def amain() -> None:
         stop = asyncio.Event()
