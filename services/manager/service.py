@@ -21,7 +21,7 @@ from collections.abc import Callable
 import msgspec
 import structlog
 
-from marlaas.platform import api, tinker
+from marlaas.platform import api, limits, tinker
 from marlaas.platform.adapters import init_adapter, write_adapter
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery, StaleRevision
 from marlaas.platform.commits import announce
@@ -357,7 +357,7 @@ class Manager:
     async def note_queued(self, job: str, reason: str) -> None:
         """Say on a queued job's record, and on its state subject, why it is still queued (the
         reason is cleared when it is admitted). A failure here is only logged."""
-        reason = api.cut(reason)
+        reason = limits.cut(reason)
 
         def change(r: JobRecord) -> JobRecord | None:
             return None if r.state is not JobState.QUEUED or r.reason == reason else msgspec.structs.replace(
@@ -441,8 +441,8 @@ class Manager:
                          **fields) -> bool:
         """Move a job to ``state`` unless it is already finished; publish the change. A finished
         job frees room: an admission pass follows, unless ``admit_next`` is False (the caller is
-        one, holding its lock). ``reason`` is cut to ``api.MAX_ERROR_CHARS``."""
-        reason = api.cut(reason)
+        one, holding its lock). ``reason`` is cut to ``limits.MAX_ERROR_CHARS``."""
+        reason = limits.cut(reason)
 
         def change(r: JobRecord) -> JobRecord | None:
             if r.state.finished or r.state is state:

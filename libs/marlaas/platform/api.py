@@ -19,7 +19,6 @@ from typing import Any
 import msgspec
 
 from marlaas.platform.events import EvalPoint, GrpoSettings, JobRecord, LoraSettings
-from marlaas.platform.limits import MAX_ERROR_CHARS, cut  # re-exported: the manager cuts what it stores
 from marlaas.platform.tinker import TinkerModel, TinkerSession
 
 SUBMIT = "marlaas.api.submit"
