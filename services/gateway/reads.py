@@ -35,6 +35,16 @@ JOB_ID = re.compile(r"^([a-z0-9][a-z0-9-]{0,31})\.[a-z0-9][a-z0-9-]{0,63}$")
 _KV_OPERATION = "KV-Operation"  # set on delete / purge markers
 
 
+class BrokerRefused(Exception):
+    """The broker would not open a reader (a consumer) now, e.g. at its consumer limit: the
+    gateway's load or the stack's, not the request's fault (a 503, retry)."""
+
+
+def refused(what: str, exc: nats.js.errors.APIError) -> BrokerRefused:
+    return BrokerRefused(f"the message broker refused to open a reader for {what} ({exc.description or exc}; "
+                         f"JetStream error {exc.err_code}): the stack is busy, retry in a moment")
+
+
 def owned_job_id(tenant: str, job: str) -> bool:
     """Whether ``job`` is a well-formed id in ``tenant``'s namespace."""
     found = JOB_ID.match(job)
@@ -50,7 +60,10 @@ async def read_messages(bus: Bus, stream: str, subject: str, *, last_per_subject
         filter_subject=subject,
         deliver_policy=DeliverPolicy.LAST_PER_SUBJECT if last_per_subject else DeliverPolicy.ALL,
     )
-    consumer = await bus.js.add_consumer(stream, config=config)
+    try:
+        consumer = await bus.js.add_consumer(stream, config=config)
+    except nats.js.errors.APIError as exc:
+        raise refused(subject, exc) from None
     try:
         pending = consumer.num_pending
         found: list[Msg] = []

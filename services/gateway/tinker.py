@@ -28,12 +28,11 @@ from litestar import Request, Response, Router, delete, get, post
 from litestar.di import Provide
 from tinker.proto import tinker_public_pb2 as pb
 
-from marlaas.platform import tinker as wire
+from marlaas.platform import api, tinker as wire
 from marlaas.platform.adapters import read_adapter
 from marlaas.platform.store import ObjectNotFound
 from marlaas.platform.tenants import TenantRecord, authenticate, tinker_api_key
-from services.gateway.app import ApiError, Gateway, gateway_of
-from services.gateway.reads import tenant_records
+from services.gateway.app import ApiError, Gateway, gateway_of, json_object
 from services.gateway.views import adapter_archive
 
 KEY_PREFIX = tinker_api_key("")  # "tml-"
@@ -59,13 +58,8 @@ async def tinker_tenant(request: Request) -> TenantRecord:
 
 
 async def body_json(request: Request) -> dict:
-    try:
-        body = json.loads(await request.body() or b"{}")
-    except ValueError as exc:
-        raise ApiError(400, f"the body is not JSON ({exc})") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    return body
+    """The request's JSON object: a 400 for anything else, deep nesting included."""
+    return json_object(await request.body())
 
 
 def seq_of(body: dict) -> int | None:
@@ -105,14 +99,14 @@ async def owned(gateway: Gateway, tenant: TenantRecord, kind: str, ident: str, t
     return record
 
 
-async def check_quota(gateway: Gateway, tenant: TenantRecord) -> None:
-    """429 when the tenant's queued and running jobs and live Tinker models reach its ``max_jobs``."""
-    jobs = sum(not record.state.finished for record in await tenant_records(gateway.bus, tenant.name))
-    models = await wire.active_models(gateway.bus, tenant.name)
-    if jobs + models >= tenant.max_jobs:
-        raise ApiError(429, f"tenant {tenant.name!r} has {jobs} jobs queued or running and {models} Tinker models "
-                            f"in live sessions, its quota (max_jobs = {tenant.max_jobs}): finish a session "
-                            "(close its ServiceClient) or cancel a job, then create the model again")
+async def check_quota(gateway: Gateway, subject: str, request: msgspec.Struct) -> str:
+    """Have the manager record a session or model: it counts the tenant's quota and writes the
+    record in one step (``services/manager/job_admin.py``), so that concurrent creates, on any
+    gateway replica, cannot race past it. Its id; 429 past the quota."""
+    reply = await gateway.call(subject, request, api.TinkerReply)
+    if reply.error:
+        raise ApiError(429 if reply.code == api.QUOTA else 400, reply.error)
+    return reply.id
 
 
 async def submit_training(gateway: Gateway, tenant: TenantRecord, model_id: str, kind: str, body: bytes,
@@ -142,7 +136,7 @@ async def client_config(tenant: TenantRecord) -> dict:
 @post("/create_session", status_code=200)
 async def create_session(request: Request, tenant: TenantRecord) -> dict:
     session = wire.TinkerSession(id=uuid.uuid4().hex, tenant=tenant.name, created_at=time.time())
-    await wire.write(gateway_of(request).bus, "session", session.id, session)
+    await check_quota(gateway_of(request), api.TINKER_SESSION, api.TinkerSessionRequest(session=session))
     return {"type": "create_session", "session_id": session.id}
 
 
@@ -201,9 +195,7 @@ async def create_model(request: Request, tenant: TenantRecord) -> dict:
         seed=seed, train_mlp=bool(lora.get("train_mlp", True)),
         train_attn=bool(lora.get("train_attn", True)), train_unembed=bool(lora.get("train_unembed", True)),
         created_at=time.time())
-    if await wire.read(gateway.bus, "model", model.id, wire.TinkerModel, tenant.name) is None:
-        await check_quota(gateway, tenant)
-        await wire.write(gateway.bus, "model", model.id, model)
+    await check_quota(gateway, api.TINKER_MODEL, api.TinkerModelRequest(model=model))
     return await submit_training(gateway, tenant, model.id, "create_model", b"{}", 0)
 
 
@@ -276,9 +268,7 @@ async def load_weights(request: Request, tenant: TenantRecord) -> dict:
         base_model=source.base_model if source else sorted(served_names(gateway))[0], rank=checkpoint.rank,
         train_mlp=source.train_mlp if source else True, train_attn=source.train_attn if source else True,
         created_at=time.time(), from_checkpoint=checkpoint.path)
-    if await wire.read(gateway.bus, "model", model.id, wire.TinkerModel, tenant.name) is None:
-        await check_quota(gateway, tenant)
-        await wire.write(gateway.bus, "model", model.id, model)
+    await check_quota(gateway, api.TINKER_MODEL, api.TinkerModelRequest(model=model))
     return await submit_training(gateway, tenant, model.id, "load_weights", raw, 0)
 
 

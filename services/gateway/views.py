@@ -9,6 +9,7 @@ import re
 import tarfile
 
 from litestar import Request, delete, get, post
+from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from marlaas.platform import api
@@ -18,7 +19,7 @@ from marlaas.platform.http_api import Cancelled, Deleted, JobInfo, PhaseSpan, Pi
 from marlaas.platform.store import ObjectNotFound
 from marlaas.platform.tenants import TenantRecord
 from services.gateway.app import ApiError, gateway_of, not_found
-from services.gateway.event_stream import BadEventId, job_events, parse_event_id
+from services.gateway.event_stream import BadEventId, JobEvents, parse_event_id
 from services.gateway.reads import (
     committed_versions, job_info, job_record, job_timeline, tenant_records, version_info,
 )
@@ -56,7 +57,8 @@ async def submit_job(request: Request, tenant: TenantRecord) -> Submitted:
     gateway = gateway_of(request)
     try:
         tree = check_submission(parse_body(await request.body(), request.headers.get("content-type", "")),
-                                tenant.name, gateway.config.gateway.allow_server_paths_under)
+                                tenant.name, gateway.config.gateway.allow_server_paths_under,
+                                request.headers.get("idempotency-key", ""))
     except SubmissionRefused as exc:
         raise ApiError(exc.status, str(exc)) from None
     reply = await gateway.call(api.SUBMIT, tree, api.SubmitReply)
@@ -186,7 +188,9 @@ async def download_adapter(request: Request, tenant: TenantRecord, job: str,
 @get("/jobs/{job:str}/events", summary="Server-sent events of the job, live and resumable",
      description="Events policy.committed, job.state and job.eval, each with an id '<n>-<m>' (counts of "
                  "the job's own messages); send it back as Last-Event-ID (or ?last_event_id=) to resume. "
-                 "The stream ends after the job's final state and last version.")
+                 "The stream ends after the job's final state and last version. 429 past "
+                 "gateway.max_streams_per_tenant streams of the tenant's open at once (gateway.max_streams "
+                 "of all tenants').")
 async def stream_events(request: Request, tenant: TenantRecord, job: str,
                         last_event_id: str | None = None) -> Stream:
     await owned(request, tenant, job)
@@ -194,7 +198,12 @@ async def stream_events(request: Request, tenant: TenantRecord, job: str,
         start = parse_event_id(request.headers.get("last-event-id") or last_event_id)
     except BadEventId as exc:
         raise ApiError(400, str(exc)) from None
-    return Stream(job_events(gateway_of(request).bus, tenant.name, job, start), media_type="text/event-stream",
+    gateway = gateway_of(request)
+    gateway.streams.take(tenant.name)  # a 429 past the caps; given back when the stream closes
+    events = await JobEvents(gateway.bus, tenant.name, job, start,
+                             release=lambda: gateway.streams.release(tenant.name)).open()
+    # the background task closes a stream whose body never started (the client left at once)
+    return Stream(events, media_type="text/event-stream", background=BackgroundTask(events.close),
                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

@@ -380,7 +380,432 @@ def test_random_requests_get_no_5xx_and_a_4xx_creates_nothing(stack, url, tokens
         mallory.cancel(answer.json()["id"])  # an accepted job: cancel it, the victim keeps its room
 
 
+# --- the python sandbox -----------------------------------------------------------------------------
+
+
+def test_mallorys_flood_of_python_runs_takes_turns_and_alices_run_goes_meanwhile(stack, victim):
+    """Issue 35, F6: an agent job of mallory's calls ``python`` 40 times at once (rollout calls on
+    its behalf, as here; one job once had 119 runs going). The sandbox runs at most
+    ``env.python_max_runs_per_tenant`` of them at once, the rest wait their turn (or are answered
+    "busy" past ``env.python_queue_timeout_s``), and alice's run, asked for meanwhile, is not
+    queued behind them. Each run prints when it ran (the host's clock, which the sandbox shares)."""
+    from marlaas.platform.events import ToolCall  # noqa: PLC0415 - this test's alone
+
+    per_tenant = stack.config.env.python_max_runs_per_tenant
+    code = "import time; s = time.time(); time.sleep(1.0); print(s, time.time())"
+
+    def call(job: str, n: int) -> bytes:
+        return encode(ToolCall(job=job, call_id=f"flood-{n}", tool="builtin.python",
+                               arguments=json.dumps({"code": code})))
+
+    async def attack():
+        bus = await platform_bus(stack)
+        try:
+            flood = [asyncio.create_task(bus.request("marlaas.tool.builtin.python",
+                                                     call("mallory.flood-0a0b0c", n), timeout_s=60))
+                     for n in range(40)]
+            await asyncio.sleep(1.0)  # mallory's calls reach the sandbox and fill its queue
+            asked = time.monotonic()
+            alices = await bus.request("marlaas.tool.builtin.python", call(victim, 99), timeout_s=30)
+            return [json.loads(r) for r in await asyncio.gather(*flood)], json.loads(alices), time.monotonic() - asked
+        finally:
+            await bus.close()
+
+    mallorys, alices, alice_s = run(attack())
+    ran = [tuple(map(float, r["output"].split()[:2])) for r in mallorys if not r["error"]]
+    busy = [r["error"] for r in mallorys if r["error"]]
+    assert len(ran) >= per_tenant and all("the python sandbox is busy" in e for e in busy), busy[:3]
+    edges = sorted([(s, 1) for s, _ in ran] + [(e, -1) for _, e in ran])
+    assert max(sum(step for _, step in edges[:i + 1]) for i in range(len(edges))) <= per_tenant
+    assert alices["error"] == "" and "[exit code 0]" in alices["output"] and alice_s < 5, alices
+    assert float(alices["output"].split()[0]) < max(s for s, _ in ran)  # not queued behind mallory
+
+
+# --- the Tinker queues ---------------------------------------------------------------------------
+
+
+def tinker_spans(stack, phase: str) -> list:
+    """The Tinker requests done so far (``phase`` "tinker_forward_backward" or "tinker_sample"),
+    each a span with the tenant's ``<tenant>.tinker`` as its job."""
+    from marlaas.platform.events import METRIC  # noqa: PLC0415 - the Tinker tests' alone
+
+    async def read():
+        bus = await platform_bus(stack)
+        try:
+            return [METRIC.decode(data) for data in await bus.read_all("METRICS", "marlaas.span.>")]
+        finally:
+            await bus.close()
+
+    return [s for s in run(read()) if s.phase == phase]
+
+
+def queued(stack, tenant: str) -> tuple[int, int]:
+    """The tenant's Tinker training requests in the queue, not yet done (a work queue holds those),
+    and the ``seq_id`` of the last one queued."""
+    async def read():
+        bus = await platform_bus(stack)
+        try:
+            subject = f"marlaas.tinker.train.{tenant}"
+            info = await bus.js.stream_info("TINKER", subjects_filter=subject)
+            count = (info.state.subjects or {}).get(subject, 0)
+            last = json.loads((await bus.js.get_last_msg("TINKER", subject)).data)["seq_id"] if count else 0
+            return count, last
+        finally:
+            await bus.close()
+
+    return run(read())
+
+
+def test_mallorys_forward_backward_backlog_does_not_hold_alices_request(stack, url, tokens, victim, monkeypatch):
+    """Issue 35, F4: mallory queues twelve large ``forward_backward`` calls on the Tinker API (one
+    FIFO for every tenant made another's small request wait 75 s for them all); alice's small
+    request, sent once they are queued, is done before most of them: tenants take turns at the
+    trainer's queue. Alice's job trains meanwhile (the last test checks it through)."""
+    tinker = pytest.importorskip("tinker")
+    from tinker import types  # noqa: PLC0415 - the Tinker tests' alone
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    with tinker.ServiceClient(base_url=f"{url}/tinker", api_key=f"tml-{tokens['mallory']}") as attacker, \
+            tinker.ServiceClient(base_url=f"{url}/tinker", api_key=f"tml-{tokens['alice']}") as service:
+        flooding = attacker.create_lora_training_client(base_model="builtin:chat", rank=8).result()
+        small = service.create_lora_training_client(base_model="builtin:chat", rank=8).result()
+        ids = small.get_tokenizer().encode("The capital of Peru is Lima. " * 200)[:512]
+
+        def datum(tokens: list[int]) -> types.Datum:
+            return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                               loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+
+        backlog = [flooding.forward_backward([datum(ids)] * 64, "cross_entropy") for _ in range(12)]
+        ahead, last_seq = wait_for(lambda: (found := queued(stack, "mallory"))[0] >= 6 and found, 120,
+                                   "mallory's backlog queued")
+        assert small.forward([datum(ids[:9])], "cross_entropy").result().metrics["loss:sum"] > 0
+        for future in backlog:
+            future.result()
+    done = tinker_spans(stack, "tinker_forward_backward")
+    alices = [s for s in done if s.job == "alice.tinker"]
+    mallorys = [s for s in done if s.job == "mallory.tinker"]
+    assert len(alices) == 1 and len(mallorys) >= 12, (alices, mallorys)
+    # of mallory's requests queued before alice's, those done after hers (one FIFO: none)
+    after = sum(s.start > alices[0].end for s in mallorys if int(s.attrs["seq_id"]) <= last_seq)
+    assert after >= ahead - 2, f"alice's request waited for mallory's backlog: {ahead} queued, {after} done after hers"
+
+
+def test_mallorys_sampling_flood_takes_turns_and_bounded(stack, url, tokens, victim, monkeypatch):
+    """Issue 35, F7: mallory sends sixteen ``asample`` calls of 32 samples each at once (all of them
+    went into the shared engine at once, and another tenant's job slowed from 3.1 s to 54.5 s a
+    step). Rollout runs at most ``rollout.tinker_sample_per_tenant`` (2) of one tenant's at once,
+    the rest wait in the queue, and alice's sample, asked for after, is not queued behind them."""
+    tinker = pytest.importorskip("tinker")
+    from tinker import types  # noqa: PLC0415 - the Tinker tests' alone
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    prompt = types.ModelInput.from_ints(list(range(10, 30)))
+    with tinker.ServiceClient(base_url=f"{url}/tinker", api_key=f"tml-{tokens['mallory']}") as attacker, \
+            tinker.ServiceClient(base_url=f"{url}/tinker", api_key=f"tml-{tokens['alice']}") as service:
+        flooding = attacker.create_sampling_client(base_model="builtin:chat").result()
+        backlog = [flooding.sample(prompt, 32, types.SamplingParams(max_tokens=64, stop=[])) for _ in range(16)]
+        sampler = service.create_sampling_client(base_model="builtin:chat").result()
+        assert len(sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4)).result().sequences) == 1
+        for future in backlog:
+            assert len(future.result().sequences) == 32
+    done = tinker_spans(stack, "tinker_sample")
+    alices = [s for s in done if s.job == "alice.tinker"]
+    mallorys = [s for s in done if s.job == "mallory.tinker"]
+    assert len(alices) == 1 and len(mallorys) == 16, (alices, mallorys)
+    at_once = max(sum(o.start <= s.start < o.end for o in mallorys) for s in mallorys)
+    assert at_once <= 2, f"{at_once} of mallory's sampling requests were in the engine at once"
+    assert sum(s.start > alices[0].end for s in mallorys) >= 8, "alice's sample waited for mallory's backlog"
+
+
+# --- the gateway's HTTP surface under load (issue 35: F2, F3, F9, F10, F11) ------------------------
+
+
+def tinker_key(token: str) -> dict[str, str]:
+    return {"X-API-Key": f"tml-{token}"}
+
+
+def job_consumers(stack, job: str) -> int:
+    """The gateway's consumers reading ``job``'s events (an event stream holds two)."""
+    from services.gateway.event_stream import CONSUMER_DESCRIPTION
+
+    async def count():
+        bus = await platform_bus(stack)
+        try:
+            found = 0
+            for stream, subject in (("POLICY", f"marlaas.policy.committed.{job}"), ("JOBS", f"marlaas.job.*.{job}")):
+                found += sum(c.config.filter_subject == subject and c.config.description == CONSUMER_DESCRIPTION
+                             for c in await bus.js.consumers_info(stream))
+            return found
+        finally:
+            await bus.close()
+
+    return run(count())
+
+
+def test_event_streams_are_capped_per_tenant_and_given_back_when_clients_leave(stack, url, tokens, mallory,
+                                                                               alice, victim):
+    cap = stack.config.gateway.max_streams_per_tenant
+    job = mallory.submit({**SMALL, "steps": 50, "name": "streamed"})
+    try:
+        with contextlib.ExitStack() as held:
+            client = held.enter_context(httpx.Client(base_url=url, headers=bearer(tokens["mallory"]), timeout=30))
+            lines = []  # each stream's line reader, held: dropping one closes its connection
+            for _ in range(cap):
+                opened = held.enter_context(client.stream("GET", f"/v1/jobs/{job}/events"))
+                assert opened.status_code == 200
+                lines.append(opened.iter_lines())
+                assert next(lines[-1]).startswith("retry:")  # live: its consumers are open
+            assert job_consumers(stack, job) == 2 * cap
+            refused = client.get(f"/v1/jobs/{job}/events")
+            assert refused.status_code == 429 and "gateway.max_streams_per_tenant" in refused.json()["error"]
+            started = time.monotonic()
+            assert alice.job(victim).id == victim and alice.jobs()  # others' reads go on meanwhile
+            assert time.monotonic() - started < 5
+        # the clients went away: their consumers are deleted at the broker, their places given back
+        wait_for(lambda: job_consumers(stack, job) == 0, 10, "the streams' consumers deleted")
+        with httpx.Client(base_url=url, headers=bearer(tokens["mallory"]), timeout=30) as client:
+            with client.stream("GET", f"/v1/jobs/{job}/events") as again:
+                assert again.status_code == 200
+    finally:
+        mallory.cancel(job)
+
+
+def gateway_memory_kib(stack) -> tuple[int, int]:
+    """The gateway process's resident and peak resident memory (KiB)."""
+    status = Path(f"/proc/{stack.procs['gateway'].pid}/status").read_text()
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]), int(fields["VmHWM"].split()[0])
+
+
+def test_an_upload_streams_through_the_gateway_in_bounded_memory(stack, url, tokens):
+    """32 MiB of `{}` lines (the shape that made the whole-body check peak at 30x the body): the
+    gateway's peak resident memory grows by less than a quarter of the body."""
+    headers = {**bearer(tokens["mallory"]), "Content-Type": "application/jsonl"}
+    body = b"{}\n" * ((32 << 20) // 3)
+    with httpx.Client(base_url=url, headers=headers, timeout=120) as client:
+        warm = client.post("/v1/files", content=b'{"warm": 1}\n' * 1000)  # the upload path's first use
+        assert warm.status_code == 201, warm.text
+        Path(f"/proc/{stack.procs['gateway'].pid}/clear_refs").write_text("5")  # resets VmHWM
+        before, _ = gateway_memory_kib(stack)
+        answer = client.post("/v1/files", content=body)
+        assert answer.status_code == 201, answer.text
+        _, peak = gateway_memory_kib(stack)
+        assert answer.json()["records"] == len(body) // 3
+        for file_id in (warm.json()["id"], answer.json()["id"]):
+            client.delete(f"/v1/files/{file_id}")
+    assert (peak - before) * 1024 < len(body) // 4, f"the gateway grew by {peak - before} KiB"
+
+
+def test_a_tenants_concurrent_uploads_are_capped(stack, url, tokens):
+    """Uploads held open (their bodies still coming): past gateway.max_uploads_per_tenant, a 429."""
+    import threading
+
+    cap = stack.config.gateway.max_uploads_per_tenant
+    go = threading.Event()
+    answers: list[httpx.Response] = []
+
+    def slow_body(i: int):
+        yield b'{"slow": %d}\n' % i
+        go.wait(60)
+        yield b'{"done": %d}\n' % i
+
+    def upload(i: int) -> None:
+        answers.append(httpx.post(f"{url}/v1/files", content=slow_body(i), timeout=90,
+                                  headers={**bearer(tokens["mallory"]), "Content-Type": "application/jsonl"}))
+
+    threads = [threading.Thread(target=upload, args=(i,)) for i in range(cap)]
+    try:
+        for thread in threads:
+            thread.start()
+        time.sleep(2)  # the held uploads reach the gateway
+        refused = httpx.post(f"{url}/v1/files", content=b'{"one": "more"}\n', headers=bearer(tokens["mallory"]),
+                             timeout=30)
+    finally:
+        go.set()
+        for thread in threads:
+            thread.join(90)
+    assert refused.status_code == 429 and "gateway.max_uploads_per_tenant" in refused.json()["error"]
+    assert sorted(a.status_code for a in answers) == [201] * cap
+    for answer in answers:
+        httpx.delete(f"{url}/v1/files/{answer.json()['id']}", headers=bearer(tokens["mallory"]), timeout=30)
+
+
+def test_concurrent_uploads_cannot_pass_the_file_quota(stack, url, tokens):
+    """A tenant a few files short of gateway.max_files sends 32 distinct files at once (each
+    retried while refused for sending too many at once): exactly max_files are held after."""
+    cap = stack.config.gateway.max_files
+    headers = {**bearer(tokens["mallory"]), "Content-Type": "application/jsonl"}
+
+    async def race() -> tuple[list[int], list[dict], list[dict]]:
+        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as client:
+            have = len((await client.get("/v1/files")).json())
+            for i in range(cap - 4 - have):
+                assert (await client.post("/v1/files", content=b'{"fill": %d}\n' % i)).status_code == 201
+
+            async def upload(i: int) -> httpx.Response:
+                while True:
+                    answer = await client.post("/v1/files", content=b'{"race": %d}\n' % i)
+                    if answer.status_code != 429 or "max_uploads_per_tenant" not in answer.text:
+                        return answer
+                    await asyncio.sleep(0.05)
+
+            answers = await asyncio.gather(*(upload(i) for i in range(32)))
+            held = (await client.get("/v1/files")).json()
+            for record in held:
+                await client.delete(f"/v1/files/{record['id']}")
+            return [a.status_code for a in answers], [a.json() for a in answers], held
+
+    statuses, bodies, held = run(race())
+    assert len(held) == cap, len(held)
+    assert statuses.count(201) == 4 and statuses.count(429) == 28, statuses
+    assert all("gateway.max_files" in b["error"] for s, b in zip(statuses, bodies) if s == 429)
+
+
+DEEP_JSON = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize("path", ["/session_heartbeat", "/create_model", "/get_info", "/create_sampling_session",
+                                  "/asample", "/retrieve_future", "/optim_step", "/save_weights", "/load_weights"])
+def test_deeply_nested_json_on_tinker_endpoints_is_a_400(url, tokens, path):
+    for body in (DEEP_JSON, b'{"a":' * 500 + b"1" + b"}" * 500):
+        answer = httpx.post(f"{url}/tinker/api/v1{path}", content=body, timeout=30,
+                            headers={**tinker_key(tokens["mallory"]), "Content-Type": "application/json"})
+        assert answer.status_code == 400 and "nested more than" in answer.json()["error"], (path, answer.text)
+
+
+def raw_request(url: str, method: str, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    """``path`` sent byte for byte (httpx would normalise '..' and escape what it dislikes)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        connection.putrequest(method, path, skip_accept_encoding=True)
+        for name, value in headers.items():
+            connection.putheader(name, value)
+        connection.endheaders()
+        answer = connection.getresponse()
+        return answer.status, answer.read()
+    finally:
+        connection.close()
+
+
+BAD_SEGMENTS = ["%00", "a%00b", "%ff", "%c0%af", "..", "%2e%2e", "a%2f..%2f..%2fetc%2fpasswd", "x" * 5000, "%0a"]
+
+
+@pytest.mark.parametrize("segment", BAD_SEGMENTS)
+def test_bad_paths_are_a_4xx_everywhere(url, tokens, victim, segment):
+    routes = [("GET", "/ui/{}", {}), ("GET", "/ui/{}", bearer(tokens["mallory"])),
+              ("GET", "/v1/jobs/{}", bearer(tokens["mallory"])),
+              ("GET", "/v1/jobs/{}/events", bearer(tokens["mallory"])),
+              ("GET", f"/v1/jobs/{victim}/adapter?version={{}}", bearer(tokens["mallory"])),
+              ("POST", "/v1/jobs/{}/versions/{}/pin", bearer(tokens["mallory"])),
+              ("DELETE", "/v1/files/{}", bearer(tokens["mallory"])),
+              ("GET", "/tinker/api/v1/samplers/{}", tinker_key(tokens["mallory"])),
+              ("GET", "/tinker/api/v1/training_runs/{}/checkpoints", tinker_key(tokens["mallory"])),
+              ("DELETE", "/tinker/api/v1/training_runs/m/checkpoints/{}", tinker_key(tokens["mallory"])),
+              ("POST", "/tinker/api/v1/sessions/{}/finish", tinker_key(tokens["mallory"]))]
+    for method, template, headers in routes:
+        path = template.replace("{}", segment)
+        status, body = raw_request(url, method, path, headers)
+        assert 400 <= status < 500, (method, path[:80], status, body[:300])
+        assert json.loads(body)["error"], body
+
+
 # --- through all of it ----------------------------------------------------------------------------
+
+
+# --- issue 35: work per request, quotas, stored texts ---------------------------------------------
+
+
+def test_a_huge_system_prompt_is_a_quick_400_and_alice_is_answered_meanwhile(stack, alice, mallory, victim,
+                                                                            tmp_path):
+    """F1: a ~900 KB ``system`` over 150 uploaded rows once held the manager's loop for a minute."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"question {i} " * 50, "answer": "x"}) + "\n" for i in range(150)))
+    job = {**SMALL, "task": "agent", "dataset": mallory.upload(rows).id, "tools": ["builtin.calculator"],
+           "reward": "contains", "system": "You are terse. " * 64_000}
+    before = jobs_of(stack)
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        attack = pool.submit(mallory.submit, job)
+        time.sleep(0.5)
+        for call in (alice.jobs, lambda: alice.cancel(alice.submit({**SMALL, "name": "meanwhile"}))):
+            asked = time.monotonic()
+            call()
+            assert time.monotonic() - asked < 5.0, "alice answered within 5 s while mallory's job is checked"
+        with pytest.raises(BadRequest, match=r"system is 960000 characters: no more than \d+ can fit in "
+                                             r"rollout.max_model_len"):
+            attack.result(timeout=60)
+        assert time.monotonic() - started < 10.0, "mallory's oversized job refused within 10 s"
+    assert not [job for job in set(jobs_of(stack)) - set(before) if job.startswith("mallory.")]
+
+
+def test_a_repeated_idempotency_key_makes_one_job(stack, url, tokens):
+    """F1's other half: a client that retries a submission (same key) gets the same job, not two."""
+    headers = {**bearer(tokens["mallory"]), "Idempotency-Key": "retry-me-1"}
+    first = httpx.post(f"{url}/v1/jobs", json={**SMALL, "name": "once"}, headers=headers, timeout=60)
+    again = httpx.post(f"{url}/v1/jobs", json={**SMALL, "name": "once"}, headers=headers, timeout=60)
+    assert first.status_code == again.status_code == 201, (first.text, again.text)
+    assert first.json()["id"] == again.json()["id"]
+    assert [j for j in jobs_of(stack) if j.startswith("mallory.once-")] == [first.json()["id"]]
+    httpx.post(f"{url}/v1/jobs/{first.json()['id']}/cancel", headers=bearer(tokens["mallory"]), timeout=30)
+
+
+def _concurrently(calls: int, post) -> list[httpx.Response]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(calls) as pool:
+        return list(pool.map(post, range(calls)))
+
+
+def test_concurrent_creates_cannot_race_past_the_quota(stack, url, victim):
+    """F5: 24 concurrent create_model calls against max_jobs 8 once made 24 models. Now the
+    manager counts and takes each quota in one step: of 32 concurrent creates exactly max_jobs win."""
+    carol = tenant_cli_ok(stack.home, "add", "carol", "--max-jobs", "3")
+    key = {"X-API-Key": carol["tinker_api_key"]}
+    tinker_api = f"{url}/tinker/api/v1"
+    session = httpx.post(f"{tinker_api}/create_session", json={}, headers=key, timeout=60).json()["session_id"]
+    models = _concurrently(32, lambda i: httpx.post(f"{tinker_api}/create_model", headers=key, timeout=120, json={
+        "session_id": session, "model_seq_id": i, "base_model": "builtin:chat", "lora_config": {"rank": 4}}))
+    assert sorted(r.status_code for r in models) == [200] * 3 + [429] * 29, [r.text for r in models][:4]
+    assert "max_jobs = 3" in next(r.json()["error"] for r in models if r.status_code == 429)
+    sessions = _concurrently(40, lambda i: httpx.post(f"{tinker_api}/create_session", json={}, headers=key,
+                                                      timeout=120))
+    limit = load_config(env={"MARLAAS_HOME": str(stack.home)}).manager.max_tinker_sessions
+    assert sum(r.status_code == 200 for r in sessions) == limit - 1  # the one above is live too
+    assert {r.status_code for r in sessions} == {200, 429}
+
+    dave = tenant_cli_ok(stack.home, "add", "dave", "--max-jobs", "3")
+    # steps enough that none finishes (and frees its slot) before the last submit is answered
+    jobs = _concurrently(32, lambda i: httpx.post(f"{url}/v1/jobs", json={**SMALL, "steps": 1000, "name": f"race{i}"},
+                                                  headers=bearer(dave["token"]), timeout=120))
+    created = [r.json()["id"] for r in jobs if r.status_code == 201]
+    for job in created:  # the victim keeps its room
+        httpx.post(f"{url}/v1/jobs/{job}/cancel", headers=bearer(dave["token"]), timeout=30)
+    assert sorted(r.status_code for r in jobs) == [201] * 3 + [429] * 29, [r.text for r in jobs][:4]
+
+
+def test_a_failure_reason_is_stored_cut(stack, mallory):
+    """F8: a tenant's reward once failed its jobs with 1 MB reasons, each kept whole in the record."""
+    from marlaas.platform.commits import report_failure
+
+    job = mallory.submit({**SMALL, "name": "loud"})
+
+    async def fail_loudly():
+        bus = await platform_bus(stack)
+        try:  # what rollout relays when a tenant's reward raises with a megabyte of text
+            await report_failure(bus, job, "rollout", "reward mallory.loud raised: " + "E" * 900_000)
+        finally:
+            await bus.close()
+
+    run(fail_loudly())
+    failed = wait_for(lambda: (info := mallory.job(job)).state == "failed" and info, 60, "the job failed")
+    assert len(failed.reason) <= 2_000 and failed.reason.startswith("rollout: reward mallory.loud raised: EEE")
+    assert failed.reason.endswith("more characters cut]")
 
 
 def test_alices_job_trained_through_every_attack_and_alice_still_submits(alice, victim):
@@ -388,6 +813,10 @@ def test_alices_job_trained_through_every_attack_and_alice_still_submits(alice, 
                      300, "alice's job finished")
     assert final.state == "completed" and final.version == VICTIM["steps"], final
     assert final.warnings == {}
+    assert [v.version for v in alice.versions(victim)] == list(range(VICTIM["steps"] + 1))  # every version
+    started = time.monotonic()
     job = alice.submit({**SMALL, "name": "after"})
+    answered_s = time.monotonic() - started
     assert alice.job(job).state in ("queued", "running")
     alice.cancel(job)
+    assert answered_s < 5.0, f"alice's submit took {answered_s:.1f} s after the attacks"  # an availability bound

@@ -42,6 +42,10 @@ class RolloutConfig(Section):
     max_num_seqs: Annotated[int, msgspec.Meta(ge=0)] = 1024
     dtype: str = "float32"
     concurrency: int = 16  # jobs sampled at once by one replica
+    # Tinker asample requests in one replica's engine at once (each up to 64 sequences), and of one
+    # tenant: the rest wait in the queue, tenants taking turns, so the jobs keep generating
+    tinker_sample_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 4
+    tinker_sample_per_tenant: Annotated[int, msgspec.Meta(ge=1)] = 2
     # batch every job's requests in the engine together (multi-LoRA); false = one job's requests at
     # a time, the paper's "without multi-LoRA" ablation
     multi_lora: bool = True
@@ -102,6 +106,10 @@ class ManagerConfig(Section):
     target_trainer_busy: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9  # adaptive: per trainer replica
     # garbage collection keeps the adapters of a job's last N committed versions (and pinned ones)
     gc_keep_last: Annotated[int, msgspec.Meta(ge=1)] = 3
+    # a tenant's finished jobs kept, the newest; an older one is deleted whole as `marlaas delete` does
+    max_finished_jobs: Annotated[int, msgspec.Meta(ge=1)] = 200
+    # live Tinker sessions a tenant may hold at once (each is a record; its models count against max_jobs)
+    max_tinker_sessions: Annotated[int, msgspec.Meta(ge=1)] = 32
 
 
 class EnvConfig(Section):
@@ -130,6 +138,13 @@ class EnvConfig(Section):
     # environment and broker user hold no platform secret; the embedded stack and compose start
     # it) or "env" (env itself, which holds the services' password and the store's keys)
     python_tool: Literal["sandbox", "env"] = "sandbox"
+    # python runs at once on one replica (the sandbox service, or env): each may hold python_memory_mb;
+    # past the cap a call waits its turn, tenants served in turn (services/env/tools/sandbox_turns.py)
+    python_max_runs: Annotated[int, msgspec.Meta(ge=1)] = 8
+    python_max_runs_per_tenant: Annotated[int, msgspec.Meta(ge=1)] = 4  # of those, one tenant's at most
+    # how long a call waits for a run slot before it is answered "busy" (its code not run); with
+    # python_timeout_s, under rollout.tool_timeout_s, so the answer still reaches rollout in time
+    python_queue_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 4.0
     search_corpus: str = ""  # a JSONL file of {"id", "title"?, "text"}; "" = the shipped corpus
     search_top_k: Annotated[int, msgspec.Meta(ge=1, le=20)] = 3
     search_cached_indexes: Annotated[int, msgspec.Meta(ge=1)] = 4  # jobs' corpora kept indexed in memory
@@ -159,6 +174,13 @@ class GatewayConfig(Section):
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1 << 20  # a job spec is a few hundred bytes
     max_file_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 64 << 20  # one uploaded data file (POST /v1/files)
     max_files: Annotated[int, msgspec.Meta(ge=1)] = 64  # a tenant's uploaded files at once: bounds its share of the disk
+    # one line of an upload: all of a line the gateway holds while checking it (the rest streams to disk)
+    max_line_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1 << 20
+    max_uploads_per_tenant: Annotated[int, msgspec.Meta(ge=1)] = 2  # uploads one tenant sends at once, per replica
+    # open event streams (GET /v1/jobs/{id}/events), per replica: each holds two JetStream consumers,
+    # and the broker's are shared by every tenant and service (~1,000 in all)
+    max_streams_per_tenant: Annotated[int, msgspec.Meta(ge=1)] = 16
+    max_streams: Annotated[int, msgspec.Meta(ge=1)] = 256
     # operator only: a job sent over HTTP may name server paths under this directory as its data
     # (dataset, corpus, eval_dataset) instead of uploaded files; "" = never (tenants upload their data)
     allow_server_paths_under: str = ""
@@ -186,6 +208,9 @@ class Config(Section):
     # JetStream drops a repeated Nats-Msg-Id within this window; exactly-once does not rest on
     # it (rollout records what it sampled, the trainer commits by compare-and-set)
     duplicate_window_s: Annotated[float, msgspec.Meta(ge=0.1)] = 300.0
+    # every service warns, with the stack, when its event loop is held longer than this (one
+    # callback that never yields stops every tenant the service serves)
+    loop_block_warn_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     manager: ManagerConfig = msgspec.field(default_factory=ManagerConfig)

@@ -15,23 +15,37 @@ tenant's id names nothing, exactly like a missing one. The services read a job's
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import hashlib
+import os
 import re
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
 import msgspec
 
 from marlaas.platform.http_api import FileInfo, is_file_id
-from marlaas.platform.store import ImmutableKeyError, ObjectStore, sha256_hex
+from marlaas.platform.store import (
+    FileStore, ImmutableKeyError, ObjectStore, S3Store, make_private_dirs, sha256_hex,
+)
 from marlaas.tasks import Task, TaskError, get_task
 
 FILE_ID = re.compile(r"file-[0-9a-f]{32}")
 PREFIX = "files"
 EXAMPLE_LINE = '{"question": "What is 2 plus 3?", "answer": "#### 5"}'
+CHECK_PIECE_BYTES = 64 * 1024  # lines are checked this many bytes' worth at a time (~15x that in objects)
+DEFAULT_MAX_LINE_BYTES = 1 << 20  # gateway.max_line_bytes: what an upload's check holds of one line
 
 
 class FileRefused(ValueError):
     """An upload that no job could read (not JSONL, empty, too big); the message says what to fix."""
+
+
+class FileTooBig(FileRefused):
+    """An upload over ``gateway.max_file_bytes`` (a 413, where other refusals are 400s)."""
 
 
 class FileMissing(TaskError):
@@ -56,36 +70,122 @@ def missing(file_id: str) -> FileMissing:
                        "JSONL with POST /v1/files (`marlaas submit` uploads a job file's local paths for you)")
 
 
-def count_records(data: bytes, limit_bytes: int) -> int:
+class JsonlCheck:
+    """An upload's JSONL checked as its bytes arrive, in bounded memory: each complete line is
+    decoded (one JSON object) and dropped; only the unfinished last line is held, and never
+    more than ``max_line_bytes`` of it. Hashes and counts as it goes. Sans-IO: :meth:`feed`
+    the chunks, then :meth:`finish`; each raises :class:`FileRefused` naming what to fix."""
+
+    def __init__(self, limit_bytes: int, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
+        self.limit_bytes, self.max_line_bytes = limit_bytes, max_line_bytes
+        self.size = self.records = 0
+        self.lines = 0  # complete lines checked so far (blank ones too: line numbers are the editor's)
+        self._offset = 0  # byte offset in the file of the first byte of ``_partial``
+        self._partial: list[bytes] = []
+        self._partial_len = 0
+        self._hash = hashlib.sha256()
+
+    def feed(self, chunk: bytes) -> None:
+        """Check the lines ``chunk`` completes; keep its unfinished tail for the next chunk."""
+        self.size += len(chunk)
+        if self.size > self.limit_bytes:
+            raise too_big(self.limit_bytes)
+        self._hash.update(chunk)
+        for start in range(0, len(chunk), CHECK_PIECE_BYTES):  # a piece's lines are split out at once
+            self._feed(chunk[start:start + CHECK_PIECE_BYTES])
+
+    def _feed(self, chunk: bytes) -> None:
+        cut = chunk.rfind(b"\n")
+        if cut < 0:
+            self._hold(chunk)
+            return
+        block = b"".join([*self._partial, chunk[:cut]])
+        self._partial, self._partial_len = [], 0
+        self._check_block(block)
+        self._offset += len(block) + 1
+        self._hold(chunk[cut + 1:])
+
+    def finish(self) -> tuple[str, int]:
+        """The upload's sha256 and record count, once its last line is checked."""
+        if self._partial_len:
+            self._check_block(b"".join(self._partial))
+        if not self.records:
+            raise FileRefused(f"the file is empty (no JSON object on any line): upload a JSONL file with one "
+                              f"record per line, e.g. {EXAMPLE_LINE}")
+        return self._hash.hexdigest(), self.records
+
+    def _hold(self, tail: bytes) -> None:
+        self._partial_len += len(tail)
+        if self._partial_len > self.max_line_bytes:
+            raise self._too_long(self.lines + 1)
+        if tail:
+            self._partial.append(tail)
+
+    def _too_long(self, lineno: int) -> FileRefused:
+        return FileRefused(f"line {lineno} is longer than {self.max_line_bytes} bytes (gateway.max_line_bytes): "
+                           "split the record, or ask the operator to raise the limit")
+
+    def _check_block(self, block: bytes) -> None:
+        """Check the complete lines of ``block``: all at once (fast), or one by one to name the
+        first bad one."""
+        lines = block.split(b"\n")
+        if max(map(len, lines)) > self.max_line_bytes:
+            longest = next(i for i, line in enumerate(lines) if len(line) > self.max_line_bytes)
+            raise self._too_long(self.lines + longest + 1)
+        try:
+            nonblank = list(filter(None, lines))
+            collections.deque(map(_OBJECT.decode, nonblank), maxlen=0)  # decoded and dropped
+            records = len(nonblank)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            records = self._check_each(lines)  # a bad line, or one of blanks only ("  ", "\r")
+        self.records += records
+        self.lines += len(lines)
+
+    def _check_each(self, lines: list[bytes]) -> int:
+        """The records of ``lines`` checked one by one: raises for the first that is not a JSON
+        object (blank ones pass)."""
+        offset, records = self._offset, 0
+        for i, line in enumerate(lines):
+            if line.strip():
+                _check_line(line, self.lines + i + 1, offset)
+                records += 1
+            offset += len(line) + 1
+        return records
+
+
+_OBJECT = msgspec.json.Decoder(dict)
+
+
+def _check_line(line: bytes, lineno: int, offset: int) -> None:
+    """:class:`FileRefused` unless ``line`` (at byte ``offset`` of the file) is one JSON object."""
+    try:
+        record = msgspec.json.decode(line)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise FileRefused(f"the file is not UTF-8 text (byte {offset + bad.start}): save it as UTF-8 JSONL "
+                              f"(line {lineno} is the first such)") from None
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise FileRefused(f"line {lineno} is not JSON ({reason}): write one JSON object per line, "
+                          f"e.g. {EXAMPLE_LINE}") from None
+    if not isinstance(record, dict):
+        raise FileRefused(f"line {lineno} is a JSON {type(record).__name__}, not an object: write one "
+                          f"JSON object per line, e.g. {EXAMPLE_LINE}")
+
+
+def count_records(data: bytes, limit_bytes: int, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> int:
     """The JSON objects of a JSONL upload, one per non-blank line; :class:`FileRefused` names the
     first line that is not one, or says the file is empty or over ``limit_bytes``."""
     if len(data) > limit_bytes:
         raise too_big(limit_bytes)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise FileRefused(f"the file is not UTF-8 text (byte {exc.start}): save it as UTF-8 JSONL") from None
-    count = 0
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = msgspec.json.decode(line)
-        except msgspec.DecodeError as exc:
-            raise FileRefused(f"line {lineno} is not JSON ({exc}): write one JSON object per line, "
-                              f"e.g. {EXAMPLE_LINE}") from None
-        if not isinstance(record, dict):
-            raise FileRefused(f"line {lineno} is a JSON {type(record).__name__}, not an object: write one "
-                              f"JSON object per line, e.g. {EXAMPLE_LINE}")
-        count += 1
-    if not count:
-        raise FileRefused(f"the file is empty (no JSON object on any line): upload a JSONL file with one "
-                          f"record per line, e.g. {EXAMPLE_LINE}")
-    return count
+    check = JsonlCheck(limit_bytes, max_line_bytes)
+    check.feed(data)
+    return check.finish()[1]
 
 
-def too_big(limit_bytes: int) -> FileRefused:
-    return FileRefused(f"the file is larger than {limit_bytes} bytes (gateway.max_file_bytes): upload a "
+def too_big(limit_bytes: int) -> FileTooBig:
+    return FileTooBig(f"the file is larger than {limit_bytes} bytes (gateway.max_file_bytes): upload a "
                        "smaller file (fewer records), or ask the operator to raise the limit")
 
 
@@ -95,13 +195,61 @@ def put_file(store: ObjectStore, tenant: str, data: bytes, name: str = "", limit
     records = count_records(data, limit_bytes)
     file_id = file_id_of(data)
     blob = store.put_bytes(data_key(tenant, file_id), data)  # immutable: the same bytes are a no-op
-    record = FileInfo(id=file_id, size=blob.size, sha256=blob.sha256, records=records, name=name[:256],
-                        created_at=time.time())
+    return _put_record(store, tenant, FileInfo(id=file_id, size=blob.size, sha256=blob.sha256, records=records,
+                                               name=name[:256], created_at=time.time()))
+
+
+def put_local_file(store: ObjectStore, tenant: str, path: str | os.PathLike, sha256: str, records: int,
+                   name: str = "") -> FileInfo:
+    """Store the checked upload at ``path`` (its ``sha256`` and ``records`` from a
+    :class:`JsonlCheck`) as one of ``tenant``'s files, without reading it whole into memory."""
+    file_id = f"file-{sha256[:32]}"
+    size = os.path.getsize(path)
+    store_local_file(store, data_key(tenant, file_id), path)
+    return _put_record(store, tenant, FileInfo(id=file_id, size=size, sha256=sha256, records=records,
+                                               name=name[:256], created_at=time.time()))
+
+
+def _put_record(store: ObjectStore, tenant: str, record: FileInfo) -> FileInfo:
+    """Write a file's record after its bytes; one already there (the same bytes uploaded before,
+    perhaps under another name) stays, and is returned."""
     try:
-        store.put_bytes(record_key(tenant, file_id), msgspec.json.encode(record))
-    except ImmutableKeyError:  # uploaded before (perhaps under another name): that record stays
-        return read_file_record(store, tenant, file_id) or record
+        store.put_bytes(record_key(tenant, record.id), msgspec.json.encode(record))
+    except ImmutableKeyError:
+        return read_file_record(store, tenant, record.id) or record
     return record
+
+
+S3_PART_BYTES = 8 << 20  # what a streamed S3 upload holds in memory at once (S3's minimum part is 5 MiB)
+
+
+def store_local_file(store: ObjectStore, key: str, path: str | os.PathLike) -> None:
+    """Copy the file at ``path`` to ``key``, streamed: whole or not at all, and in bounded memory
+    (``ObjectStore.put_file`` reads it whole). A key already there is left alone: file keys are
+    named by their content's sha256, so it holds these bytes."""
+    if store.exists(key):
+        return
+    if isinstance(store, FileStore):
+        target = store.path(key)
+        make_private_dirs(target.parent)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as out, open(path, "rb") as src:
+                shutil.copyfileobj(src, out)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, target)  # readers never see half of it
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+    elif isinstance(store, S3Store):
+        # a multipart upload appears only once completed, so it too is whole or nothing
+        with open(path, "rb") as src:
+            store.client.put_object(store.bucket, store._name(key), src, length=os.path.getsize(path),
+                                    part_size=S3_PART_BYTES, num_parallel_uploads=1)
+    else:
+        store.put_file(key, path)
 
 
 def read_file_record(store: ObjectStore, tenant: str, file_id: str) -> FileInfo | None:
@@ -129,6 +277,34 @@ def delete_file(store: ObjectStore, tenant: str, file_id: str) -> bool:
     store.delete(record_key(tenant, file_id))
     store.delete(data_key(tenant, file_id))
     return True
+
+
+FILES_BUCKET = "files"  # KV: per tenant, the ids its file quota counts (FileHoldings)
+RESERVATION_GRACE_S = 300.0  # an id reserved this long ago whose file is not stored was a crashed upload
+
+
+class FileHoldings(msgspec.Struct, kw_only=True, frozen=True):
+    """The file ids a tenant's quota counts, each with when it was reserved: stored files and
+    uploads being stored. Updated only by compare-and-set, so gateway replicas uploading for one
+    tenant at once cannot both take its last free place (a check of the listing, then a write,
+    could: 72 files were held against a quota of 64)."""
+
+    files: dict[str, float] = {}
+
+
+def plan_reservation(held: dict[str, float], file_id: str, cap: int, now: float,
+                     stored: set[str] | None = None) -> dict[str, float] | None:
+    """The holdings with ``file_id`` reserved, or None when the tenant has ``cap`` already. An id
+    already held costs nothing (the same bytes again). Given the ids ``stored`` now, reservations
+    of files never stored (an upload that crashed, a deletion cut short) older than
+    ``RESERVATION_GRACE_S`` are dropped first."""
+    if file_id in held:
+        return held
+    if len(held) >= cap and stored is not None:
+        held = {f: at for f, at in held.items() if f in stored or now - at < RESERVATION_GRACE_S}
+    if len(held) >= cap:
+        return None
+    return {**held, file_id: now}
 
 
 class DataFiles:
