@@ -20,6 +20,7 @@ from marlaas.platform.events import RewardResult, encode
 from marlaas.platform.files import DataFiles
 from marlaas.platform.runtime import Runtime
 from marlaas.platform.telemetry import span
+from marlaas.tasks import get_task
 from marlaas.tasks.matchers import MATCHERS
 from marlaas.tools.registry import reward_subject as builtin_reward_subject, serve_registrar
 from marlaas.tools.sdk import decode_reward_request
@@ -35,7 +36,7 @@ def reward_subject(task: str) -> str:
 
 
 async def run(rt: Runtime) -> None:
-    files = DataFiles(rt.store, rt.config.home_dir / "cache" / "files")  # tenants' uploads
+    files = DataFiles(rt.store, rt.config.home_dir / "cache" / "files", get_task)  # tenants' uploads
     book = RewardBook(files)
     judge = Judge(rt.config.env)
 

@@ -35,7 +35,7 @@ from marlaas.platform.files import DataFiles
 from marlaas.platform.runtime import Runtime
 from marlaas.platform.telemetry import span_subject
 from marlaas.platform.store import ObjectStore
-from marlaas.tasks import TaskError
+from marlaas.tasks import TaskError, get_task
 from marlaas.tools.registry import BUILTIN_REWARDS, ToolNameError, read_tool, reward_subject, split_qualified
 from services.manager.adaptive import AdaptiveAdmission
 from services.manager.admission import job_footprint, kv_bytes_per_token, to_admit
@@ -83,7 +83,7 @@ class Manager:
     def __init__(self, bus: Bus, store: ObjectStore, config: Config) -> None:
         self.bus, self.store, self.config = bus, store, config
         self.model_dir = config.base_model_dir
-        self.files = DataFiles(store, config.home_dir / "cache" / "files")  # tenants' uploaded data
+        self.files = DataFiles(store, config.home_dir / "cache" / "files", get_task)  # tenants' uploads
         self.bytes_per_token = kv_bytes_per_token(self.model_dir, config.rollout.dtype)
         self.budget_bytes = int(config.manager.kv_budget_gib * 2**30)
         self._admission = asyncio.Lock()

@@ -29,7 +29,7 @@ from marlaas.platform.events import (
 from marlaas.platform.files import DataFiles, is_file_id
 from marlaas.platform.runtime import Runtime
 from marlaas.platform.store import ObjectStore
-from marlaas.tasks import Task, TaskError
+from marlaas.tasks import Task, TaskError, get_task
 from marlaas.platform.telemetry import UTILIZATION_JOB, span, span_subject
 from marlaas.tools.registry import reward_subject
 from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
@@ -105,7 +105,7 @@ class Rollout:
         self.format = ConversationFormat(engine.tokenizer, rt.config.rollout.prompt_format)
         # per process: replicas on one machine never delete each other's adapter files
         self.cache_dir = rt.config.home_dir / "cache" / f"adapters-{os.getpid()}"
-        self.files = DataFiles(rt.store, rt.config.home_dir / "cache" / "files")  # tenants' uploaded data
+        self.files = DataFiles(rt.store, rt.config.home_dir / "cache" / "files", get_task)  # tenants' uploads
         remove_dead_replicas_caches(self.cache_dir.parent)
         self.tasks: dict[str, Task] = {}
         self.adapter_locks: dict[str, asyncio.Lock] = {}

@@ -25,6 +25,7 @@ from marlaas.platform.events import JOB_RECORD, RewardItem, RewardRequest
 from marlaas.platform.files import DataFiles, FileMissing, file_id_of, put_file
 from marlaas.sdk import Client
 from marlaas.platform.tenants import add_tenant
+from marlaas.tasks import get_task
 from services.env.rewards import RewardBook
 from services.gateway.app import Gateway, create_app
 from services.gateway.metrics import StackMetrics
@@ -212,7 +213,7 @@ def test_the_cli_leaves_a_file_id_alone_and_makes_local_paths_absolute(tmp_path,
 
 async def test_the_services_read_an_uploaded_file_from_the_store_for_its_tenant_only(file_store, tmp_path):
     record = put_file(file_store, "alice", PRIVATE, "math.jsonl")
-    files = DataFiles(file_store, tmp_path / "cache")
+    files = DataFiles(file_store, tmp_path / "cache", get_task)
     local = files.local_path("alice", record.id)
     assert local == str(tmp_path / "cache" / f"{record.sha256}.jsonl")
     assert open(local, "rb").read() == PRIVATE
@@ -263,7 +264,7 @@ async def test_an_uploaded_corpus_reaches_env_by_file_id_and_tenant_not_by_rollo
 
     corpus = put_file(file_store, "alice", CORPUS, "pages.jsonl")
     questions = put_file(file_store, "alice", b'{"question": "What sleeps standing?", "answer": "zebra"}\n')
-    rollout_files = DataFiles(file_store, tmp_path / "rollout-cache")
+    rollout_files = DataFiles(file_store, tmp_path / "rollout-cache", get_task)
     spec = msgspec.structs.replace(
         JOB_RECORD.decode(msgspec.json.encode({"spec": {"id": "alice.qa", "tenant": "alice", "name": "qa",
                                                         "task": "search-qa", "steps": 1}})).spec,
@@ -272,7 +273,7 @@ async def test_an_uploaded_corpus_reaches_env_by_file_id_and_tenant_not_by_rollo
     context = tool_context(spec, task)
     assert context == {"corpus": corpus.id, "tenant": "alice"}  # not rollout's cached path
 
-    env_files = DataFiles(file_store, tmp_path / "env-cache")  # env's own disk
+    env_files = DataFiles(file_store, tmp_path / "env-cache", get_task)  # env's own disk
     search = search_tool(None, 3, CorpusIndexes(tmp_path / "env-index"), env_files)
     found = await search.call('{"query": "zebra standing"}', context)
     assert "zebra" in found.lower() and (tmp_path / "env-cache").is_dir()

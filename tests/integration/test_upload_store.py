@@ -9,7 +9,8 @@ import uuid
 
 import pytest
 
-from marlaas.platform.files import S3_PART_BYTES, put_local_file, read_file_record
+from marlaas.platform.files import put_local_file, read_file_record
+from marlaas.platform.store import S3_PART_BYTES
 from marlaas.platform.store import FileStore, S3Store
 
 pytestmark = pytest.mark.timeout(120)

@@ -108,3 +108,11 @@ def test_reading_the_tool_protocol_loads_no_bus():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_the_platforms_data_files_name_no_task():
+    """``platform/files.py`` reads tenants' data; the task lookup is handed in by the services
+    (``DataFiles(..., get_task)``): the platform imports nothing from ``marlaas.tasks``."""
+    assert not {m for m in GRAPH["marlaas.platform.files"] if m.startswith("marlaas.tasks")}
+    assert not {m for name, deps in GRAPH.items() if name.startswith("marlaas.platform")
+                for m in deps if m.startswith("marlaas.tasks")}

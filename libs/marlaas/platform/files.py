@@ -16,22 +16,19 @@ tenant's id names nothing, exactly like a missing one. The services read a job's
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import os
 import re
-import shutil
-import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
+from marlaas.platform.errors import TaskError
 from marlaas.platform.http_api import FileInfo, is_file_id
-from marlaas.platform.store import (
-    FileStore, ImmutableKeyError, ObjectStore, S3Store, make_private_dirs, sha256_hex,
-)
-from marlaas.tasks import Task, TaskError, get_task
+from marlaas.platform.store import ImmutableKeyError, ObjectStore, sha256_hex
 
 FILE_ID = re.compile(r"file-[0-9a-f]{32}")
 PREFIX = "files"
@@ -220,36 +217,13 @@ def _put_record(store: ObjectStore, tenant: str, record: FileInfo) -> FileInfo:
     return record
 
 
-S3_PART_BYTES = 8 << 20  # what a streamed S3 upload holds in memory at once (S3's minimum part is 5 MiB)
 
 
 def store_local_file(store: ObjectStore, key: str, path: str | os.PathLike) -> None:
-    """Copy the file at ``path`` to ``key``, streamed: whole or not at all, and in bounded memory
-    (``ObjectStore.put_file`` reads it whole). A key already there is left alone: file keys are
-    named by their content's sha256, so it holds these bytes."""
-    if store.exists(key):
-        return
-    if isinstance(store, FileStore):
-        target = store.path(key)
-        make_private_dirs(target.parent)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as out, open(path, "rb") as src:
-                shutil.copyfileobj(src, out)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, target)  # readers never see half of it
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-    elif isinstance(store, S3Store):
-        # a multipart upload appears only once completed, so it too is whole or nothing
-        with open(path, "rb") as src:
-            store.client.put_object(store.bucket, store._name(key), src, length=os.path.getsize(path),
-                                    part_size=S3_PART_BYTES, num_parallel_uploads=1)
-    else:
-        store.put_file(key, path)
+    """Copy the file at ``path`` to ``key``, streamed (:meth:`ObjectStore.put_path`). A key already
+    there is left alone: file keys are named by their content's sha256, so it holds these bytes."""
+    if not store.exists(key):
+        store.put_path(key, path)
 
 
 def read_file_record(store: ObjectStore, tenant: str, file_id: str) -> FileInfo | None:
@@ -307,14 +281,18 @@ def plan_reservation(held: dict[str, float], file_id: str, cap: int, now: float,
     return {**held, file_id: now}
 
 
+TaskLookup = Callable[[str, str | None, str | None], Any]  # (task name, dataset, corpus) -> a task
+
+
 class DataFiles:
     """Where the services read a job's data: a tenant's uploaded file, fetched once from the
     object store into ``cache_dir`` (named by its sha256, verified), or a path as given (only
     the platform's own jobs, submitted over NATS, or the gateway's operator-allowed directory)."""
 
-    def __init__(self, store: ObjectStore, cache_dir: str | Path) -> None:
+    def __init__(self, store: ObjectStore, cache_dir: str | Path, get_task: TaskLookup) -> None:
         self.store = store
         self.cache_dir = Path(cache_dir)
+        self.get_task = get_task  # marlaas.tasks.get_task: the platform's data layer names no task
 
     def local_path(self, tenant: str, ref: str | None) -> str | None:
         """The local file a job's data field names; :class:`FileMissing` for a file id ``tenant``
@@ -329,12 +307,12 @@ class DataFiles:
             self.store.get_file(data_key(tenant, ref), path, record.sha256, durable=False)
         return str(path)
 
-    def task(self, tenant: str, name: str, dataset: str | None, corpus: str | None = None) -> Task:
+    def task(self, tenant: str, name: str, dataset: str | None, corpus: str | None = None):
         """The task ``name`` over the job's data; an error names the file as the job did (its id),
         never the cache path it was read from."""
         local = {ref: self.local_path(tenant, ref) for ref in (dataset, corpus) if is_file_id(ref)}
         try:
-            return get_task(name, local.get(dataset, dataset), local.get(corpus, corpus))
+            return self.get_task(name, local.get(dataset, dataset), local.get(corpus, corpus))
         except TaskError as exc:
             message = str(exc)
             for ref, path in local.items():

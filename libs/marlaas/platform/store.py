@@ -128,6 +128,11 @@ class ObjectStore(abc.ABC):
     def put_file(self, key: str, path: str | os.PathLike) -> Blob:
         return self.put_bytes(key, Path(path).read_bytes())
 
+    def put_path(self, key: str, path: str | os.PathLike) -> None:
+        """Copy the file at ``path`` to ``key`` streamed, in bounded memory (``put_file`` reads it
+        whole), and whole or not at all. The caller checks the key is new (no sha256 is kept)."""
+        self.put_file(key, path)
+
     def get_file(self, key: str, path: str | os.PathLike, sha256: str | None = None, *, durable: bool = True) -> Path:
         """Copy ``key`` to ``path`` (atomically) and return the path. ``durable=False``: no fsync,
         for a scratch copy that no later process reads (a crash loses nothing the store lacks)."""
@@ -155,12 +160,21 @@ def make_private_dirs(path: Path) -> None:
             folder.mkdir(mode=0o700)
 
 
-def _atomic_write(path: Path, data: bytes, durable: bool = True) -> None:
+S3_PART_BYTES = 8 << 20  # what a streamed S3 upload holds in memory at once (S3's minimum part is 5 MiB)
+
+
+def _atomic_write(path: Path, data: bytes | Path, durable: bool = True) -> None:
+    """Write ``data`` (bytes, or the file at that path, copied streamed) to ``path`` through a
+    temp file renamed into place: readers never see half of it."""
     make_private_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # created 0600
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            if isinstance(data, Path):
+                with data.open("rb") as src:
+                    shutil.copyfileobj(src, f)
+            else:
+                f.write(data)
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
@@ -193,6 +207,9 @@ class FileStore(ObjectStore):
 
     def _write_new(self, key: str, data: bytes) -> None:
         _atomic_write(self.path(key), data)
+
+    def put_path(self, key: str, path: str | os.PathLike) -> None:
+        _atomic_write(self.path(key), Path(path))
 
     def exists(self, key: str) -> bool:
         return self.path(key).is_file()
@@ -328,6 +345,12 @@ class S3Store(ObjectStore):
             self.bucket, self._name(key), io.BytesIO(data), length=len(data),
             part_size=max(len(data), 5 * 1024 * 1024),
         )
+
+    def put_path(self, key: str, path: str | os.PathLike) -> None:
+        # a multipart upload appears only once completed, so it too is whole or nothing
+        with open(path, "rb") as src:
+            self.client.put_object(self.bucket, self._name(key), src, length=os.path.getsize(path),
+                                   part_size=S3_PART_BYTES, num_parallel_uploads=1)
 
     def exists(self, key: str) -> bool:
         from minio.error import S3Error

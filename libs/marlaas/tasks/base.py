@@ -12,9 +12,7 @@ import random
 from pathlib import Path
 from typing import ClassVar, Literal
 
-
-class TaskError(ValueError):
-    """A task was asked for with settings it cannot use (unknown name, bad dataset)."""
+from marlaas.platform.errors import TaskError  # re-exported: tasks raise it
 
 
 class Task(abc.ABC):
