@@ -1,6 +1,8 @@
 """Rollout's half of the Tinker API: ``asample`` on the shared engine, batched with every job's generation.
 
-Sampling requests come from the work queue ``marlaas.tinker.sample.<tenant>``, many at once; each
+Sampling requests come from the work queue ``marlaas.tinker.sample.<tenant>``, a few at once, tenants
+in turn (``marlaas.platform.tenant_turns``; bounded by ``rollout.tinker_sample_concurrency`` and
+``rollout.tinker_sample_per_tenant``); each
 runs as ``num_samples`` engine requests (their own seeds, as a job's group does) under the
 sampler's adapter, which is loaded into the engine once per adapter (by content hash) and dropped,
 least recently used first, once no request of it is in flight. The result is the SDK's protobuf
@@ -29,9 +31,11 @@ from marlaas.platform.adapters import materialize
 from marlaas.platform.bus import Delivery, PoisonMessage
 from marlaas.platform.events import Blob
 from marlaas.platform.telemetry import span
+from marlaas.platform.tenant_turns import TenantQueues
 
 log = structlog.get_logger("rollout.tinker")
 MAX_ADAPTERS = 8  # Tinker samplers' adapters kept in the engine (beside the jobs')
+SAMPLE_DURABLE = "rollout-tinker"  # the consumers' names: rollout-tinker-<tenant>
 
 
 class SampleError(Exception):
@@ -160,8 +164,14 @@ class TinkerSampler:
 
 
 async def serve_tinker(rt, rollout) -> None:
-    """Take sampling requests until ``rt.stop``."""
+    """Take sampling requests until ``rt.stop``: at most ``rollout.tinker_sample_concurrency`` in the
+    engine at once, ``rollout.tinker_sample_per_tenant`` of one tenant, tenants in turn (issue 35,
+    F7). The rest wait in the queue, so a tenant's sampling load never crowds the jobs' generation
+    out of the engine, nor another tenant's sampling."""
     sampler = TinkerSampler(rollout)
-    await rt.bus.consume("TINKER", "rollout-tinker", f"{wire.SAMPLE_SUBJECT}.>", sampler.handle, stop=rt.stop,
-                         ack_wait_s=rt.config.rollout.ack_wait_s, concurrency=rt.config.rollout.concurrency,
-                         max_deliver=3)
+    cfg = rt.config.rollout
+    queues = TenantQueues(rt.bus, "TINKER", SAMPLE_DURABLE, wire.SAMPLE_SUBJECT, ack_wait_s=cfg.ack_wait_s,
+                          max_deliver=3, concurrency=cfg.tinker_sample_concurrency,
+                          per_tenant=cfg.tinker_sample_per_tenant)
+    await queues.retire(SAMPLE_DURABLE)
+    await queues.run(sampler.handle, rt.stop)

@@ -5,8 +5,10 @@ by its id, ``<model>:<seq_id>``) before it answers the client, and the client se
 next request only once the previous one was taken. Any trainer replica may take it; it is done
 in ``seq_id`` order all the same: the model's record (``TinkerLive``) says the last request done
 and which replica holds gradients not yet stepped, and a request that is early, or at the wrong
-replica, is put back until its turn (at most ``ORDER_WAIT_S``). A request's outcome is its future
-in the ``tinker_futures`` bucket: the body the SDK expects, or ``{error, category}``.
+replica, is put back until its turn (at most ``ORDER_WAIT_S`` after its model's last progress).
+A request's outcome is its future in the ``tinker_futures`` bucket: the body the SDK expects, or
+``{error, category}``. Tenants take turns at the queue (``marlaas.platform.tenant_turns``): one
+tenant's backlog never makes another's request wait for all of it.
 
 A model is a LoRA in the same peft model as the jobs' (``PolicyTrainer``), under the name
 ``tinker/<model id>``: ``forward_backward`` adds its gradients (kept until ``optim_step``, and the
@@ -36,6 +38,7 @@ from marlaas.platform.bus import Bus, Delivery, PoisonMessage
 from marlaas.platform.events import GrpoSettings, LoraSettings
 from marlaas.platform.store import ObjectStore
 from marlaas.platform.telemetry import span
+from marlaas.platform.tenant_turns import TenantQueues
 from services.trainer.grpo import micro_batches
 from services.trainer.policy import NonFiniteUpdate, PolicyTrainer
 from services.trainer.tinker_losses import LossInputError, check_inputs, check_loss, datum_loss
@@ -44,6 +47,7 @@ log = structlog.get_logger("trainer.tinker")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 LORA_ALPHA = 32  # Tinker's
+TRAIN_DURABLE = "trainer-tinker"  # the consumers' names: trainer-tinker-<tenant>
 ORDER_WAIT_S = 30.0  # a request waits this long for its turn (a lost earlier one, a dead replica's gradients)
 ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
                  "grad_clip_norm": 0.0}  # the SDK's AdamParams
@@ -131,7 +135,9 @@ class TinkerTrainer:
                                        f"seq_id {request.seq_id} comes after the model's request {live.last_seq}: "
                                        "requests are done in seq_id order, each once")
             wait = self.wait_reason(request, live)
-            if wait and time.time() - request.submitted_at < ORDER_WAIT_S:
+            # counted from the model's last progress too: behind other tenants' turns, a request may
+            # wait in the queue longer than ORDER_WAIT_S while its model moves on
+            if wait and time.time() - max(request.submitted_at, live.done_at) < ORDER_WAIT_S:
                 return await delivery.nak(0.05)
             if wait:
                 log.warning("tinker request done out of turn", model=model.id, seq_id=request.seq_id, why=wait)
@@ -177,7 +183,8 @@ class TinkerTrainer:
             return
         job = job_name(request.model_id)
         holder = self.replica if job in self.policy.pinned else ""
-        live = msgspec.structs.replace(live, last_seq=max(live.last_seq, request.seq_id), holder=holder)
+        live = msgspec.structs.replace(live, last_seq=max(live.last_seq, request.seq_id), holder=holder,
+                                       done_at=time.time())
         await wire.write(self.bus, "live", request.model_id, live)
         if new is not None and old is not None and old.adapter is not None and old.adapter != new.adapter:
             await asyncio.to_thread(self.store.delete_prefix, self.store.key_of(old.adapter.uri).rsplit("/", 1)[0] + "/")
@@ -358,8 +365,11 @@ class TinkerTrainer:
 
 
 async def run_tinker(rt, policy: PolicyTrainer) -> None:
-    """Take Tinker training requests until ``rt.stop``."""
+    """Take Tinker training requests until ``rt.stop``, one at a time, tenants in turn: a tenant's
+    backlog puts another tenant's next request behind at most one of its own (issue 35, F4). A
+    job's trajectory batch, waiting for the policy's lock meanwhile, takes it between two requests."""
     trainer = TinkerTrainer(rt.bus, rt.store, policy, rt.config.base_model_dir, rt.config.rollout.max_model_len)
-    await rt.bus.consume("TINKER", "trainer-tinker", f"{wire.TRAIN_SUBJECT}.>", trainer.handle, stop=rt.stop,
-                         ack_wait_s=rt.config.trainer.ack_wait_s, concurrency=1,
-                         max_deliver=-1)  # a request waiting for its turn is redelivered until it comes
+    queues = TenantQueues(rt.bus, "TINKER", TRAIN_DURABLE, wire.TRAIN_SUBJECT, ack_wait_s=rt.config.trainer.ack_wait_s,
+                          max_deliver=-1)  # a request waiting for its model's turn is redelivered until it comes
+    await queues.retire(TRAIN_DURABLE)
+    await queues.run(trainer.handle, rt.stop)

@@ -23,6 +23,7 @@ import msgspec
 
 from marlaas.platform.bus import TINKER_BUCKET, TINKER_FUTURES_BUCKET, Bus
 from marlaas.platform.events import Blob
+from marlaas.platform.limits import cut
 
 TRAIN_SUBJECT = "marlaas.tinker.train"  # .<tenant>: a model's requests, in the order they came
 SAMPLE_SUBJECT = "marlaas.tinker.sample"  # .<tenant>: sampling requests, any order
@@ -98,6 +99,7 @@ class TinkerLive(Wire):
     optimizer: Blob | None = None
     last_seq: int = 0  # the last of the model's requests done (they are done in seq_id order)
     holder: str = ""  # the trainer replica holding gradients not yet stepped ("" = none)
+    done_at: float = 0.0  # when the last request was done: a request's wait for its turn counts from it
 
 
 class TinkerFuture(Wire):
@@ -224,6 +226,12 @@ async def sweep_sessions(bus: Bus, store, now: float | None = None) -> list[str]
     return ended
 
 
+def is_live(session: TinkerSession, now: float) -> bool:
+    """Whether ``session`` counts against its tenant's quotas: not finished, and heard from (or
+    created) in the last ``SESSION_LIVE_S``."""
+    return not session.finished and now - max(session.heartbeat_at, session.created_at) < SESSION_LIVE_S
+
+
 async def active_models(bus: Bus, tenant: str, now: float | None = None) -> int:
     """How many of ``tenant``'s models belong to a live session (not finished, heard from in the
     last ``SESSION_LIVE_S``): they count against the tenant's ``max_jobs`` as jobs do."""
@@ -237,8 +245,7 @@ async def active_models(bus: Bus, tenant: str, now: float | None = None) -> int:
         model = msgspec.json.decode(entry.value, type=TinkerModel)
         if model.session not in live:
             session = await read(bus, "session", model.session, TinkerSession)
-            live[model.session] = session is not None and not session.finished and \
-                now - max(session.heartbeat_at, session.created_at) < SESSION_LIVE_S
+            live[model.session] = session is not None and is_live(session, now)
         count += live[model.session]
     return count
 
@@ -276,6 +283,7 @@ async def finish(bus: Bus, store, future: TinkerFuture) -> None:
 
 
 async def fail(bus: Bus, store, request_id: str, tenant: str, error: str, category: str = "user") -> None:
-    """Record a request that failed: the client raises ``RequestFailedError`` with ``error``."""
+    """Record a request that failed: the client raises ``RequestFailedError`` with ``error`` (cut to
+    ``limits.MAX_ERROR_CHARS``: the text may quote a tenant's input)."""
     await finish(bus, store, TinkerFuture(request_id=request_id, tenant=tenant, media="error",
-                                          error=error, category=category))
+                                          error=cut(error), category=category))

@@ -1,0 +1,147 @@
+"""Per-tenant turns on a work queue: each tenant with requests waiting is served in its turn.
+
+A work-queue stream read by one consumer is one FIFO for every tenant: a tenant that queues a
+hundred large requests makes every other tenant's request wait for all of them (issue 35, F4 and
+F7). Here the queue is read through one durable consumer per tenant (``<durable>-<tenant>``,
+filtered on ``<subject>.<tenant>``), and the next request is taken from the tenant whose turn it is:
+round-robin over the tenants with a request waiting (:func:`next_turn`, pure), skipping those that
+already have ``per_tenant`` requests in hand. Within a tenant the order is the stream's, as before;
+acks, naks, redelivery and ``max_deliver`` are the bus's (``Bus.consume``), unchanged.
+
+Which tenants have requests waiting comes from the stream itself (its per-subject counts): a
+work-queue stream holds exactly the requests not yet acked, those in hand included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import Mapping
+
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from marlaas.platform.bus import Bus, Delivery, GiveUp, Handler
+from marlaas.platform.tenants import TENANT_RE
+
+log = structlog.get_logger("marlaas.platform.tenant_turns")
+IDLE_S = 0.2  # how often an idle queue looks for waiting requests again
+FETCH_S = 0.2  # a turn's fetch waits this long (a tenant's only request may be put back for a moment)
+CONSUMER_IDLE_S = 3600.0  # a tenant's consumer unused this long is removed by the server (re-added on use)
+
+
+def next_turn(waiting: Mapping[str, int], last_served: str | None,
+              in_hand: Mapping[str, int] | None = None, per_tenant: int | None = None) -> str | None:
+    """The tenant to take a request from next (None: nobody may be served now).
+
+    ``waiting`` counts each tenant's requests in the queue (those in hand included), ``in_hand``
+    those being served; a tenant is a candidate when it has more waiting than in hand and fewer
+    than ``per_tenant`` in hand. Candidates take turns in name order, starting after
+    ``last_served``: a tenant's backlog, however long, never puts another's request behind more
+    than one of its own per turn."""
+    in_hand = in_hand or {}
+    candidates = sorted(t for t, n in waiting.items()
+                        if n > in_hand.get(t, 0) and (per_tenant is None or in_hand.get(t, 0) < per_tenant))
+    if not candidates:
+        return None
+    return next((t for t in candidates if last_served is None or t > last_served), candidates[0])
+
+
+class TenantQueues:
+    """A work queue read in per-tenant turns: the shell around :func:`next_turn`."""
+
+    def __init__(self, bus: Bus, stream: str, durable: str, subject: str, *, ack_wait_s: float,
+                 max_deliver: int, concurrency: int = 1, per_tenant: int | None = None,
+                 retry_delay_s: float = 1.0, on_give_up: GiveUp | None = None) -> None:
+        self.bus, self.stream, self.durable, self.subject = bus, stream, durable, subject
+        self.ack_wait_s, self.max_deliver, self.retry_delay_s = ack_wait_s, max_deliver, retry_delay_s
+        self.concurrency, self.per_tenant, self.on_give_up = concurrency, per_tenant, on_give_up
+        self.in_hand: Counter[str] = Counter()
+        self.last_served: str | None = None
+        self.subs: dict[str, object] = {}
+
+    async def waiting(self) -> dict[str, int]:
+        """Each tenant's requests in the queue, from the stream's per-subject counts."""
+        prefix = f"{self.subject}."
+        info = await self.bus.js.stream_info(self.stream, subjects_filter=f"{prefix}>")
+        # only tenant names make consumer names: a subject the gateway never writes cannot stall the turns
+        return {subject[len(prefix):]: n for subject, n in (info.state.subjects or {}).items()
+                if TENANT_RE.match(subject[len(prefix):])}
+
+    async def retire(self, durable: str) -> None:
+        """Delete the single consumer the queue was read by before turns: on a work-queue stream a
+        consumer of every tenant's subjects would overlap each tenant's, and the server refuses that."""
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await self.bus.js.delete_consumer(self.stream, durable)
+            log.info("retired the queue's single consumer", stream=self.stream, durable=durable)
+
+    async def _fetch(self, tenant: str) -> list:
+        sub = self.subs.get(tenant)
+        if sub is None:
+            config = ConsumerConfig(
+                durable_name=f"{self.durable}-{tenant}", filter_subject=f"{self.subject}.{tenant}",
+                ack_policy=AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s, max_deliver=self.max_deliver,
+                max_ack_pending=max(self.concurrency, 1) * 4, inactive_threshold=CONSUMER_IDLE_S)
+            sub = self.subs[tenant] = await self.bus.js.pull_subscribe(
+                config.filter_subject, durable=config.durable_name, stream=self.stream, config=config)
+        try:
+            return await sub.fetch(1, timeout=FETCH_S)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            return []
+        except Exception:  # the consumer removed (idle) or the server restarting: subscribe again next turn
+            self.subs.pop(tenant, None)
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            raise
+
+    async def run(self, handler: Handler, stop: asyncio.Event) -> None:
+        """Serve the queue's requests in tenant turns, up to ``concurrency`` at once, until ``stop``."""
+        slots = asyncio.Semaphore(self.concurrency)
+        running: set[asyncio.Task] = set()
+        failures = 0
+        try:
+            while not stop.is_set():
+                await slots.acquire()
+                tenant = None
+                try:
+                    tenant = next_turn(await self.waiting(), self.last_served, self.in_hand, self.per_tenant)
+                    msgs = await self._fetch(tenant) if tenant is not None else []
+                    failures = 0
+                except Exception as exc:  # disconnected, an election, a consumer gone: look again
+                    slots.release()
+                    self.last_served = tenant or self.last_served  # a failing tenant's turn passes to the next
+                    failures += 1
+                    if failures == 1 or failures % 20 == 0:
+                        log.warning("taking a turn failed; retrying", stream=self.stream, durable=self.durable,
+                                    error=repr(exc), in_a_row=failures)
+                    await asyncio.sleep(0.5)
+                    continue
+                if tenant is not None:
+                    self.last_served = tenant  # an empty turn (its requests put back a moment) passes too
+                if not msgs:
+                    slots.release()
+                    if tenant is None:
+                        await asyncio.sleep(IDLE_S)
+                    continue
+                self.in_hand[tenant] += 1
+                task = asyncio.create_task(self._serve(tenant, Delivery(msgs[0]), handler, slots))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            if running:  # drain: finish in-flight work and settle it before returning
+                await asyncio.gather(*running, return_exceptions=True)
+        finally:
+            for sub in self.subs.values():
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+
+    async def _serve(self, tenant: str, delivery: Delivery, handler: Handler, slots: asyncio.Semaphore) -> None:
+        try:  # settled as Bus.consume settles: ack, or nak / term by the handler's outcome
+            await Bus._handle(delivery, handler, self.retry_delay_s, self.max_deliver,  # noqa: SLF001
+                              self.on_give_up, slots)
+        finally:
+            self.in_hand[tenant] -= 1
+            if self.in_hand[tenant] <= 0:
+                del self.in_hand[tenant]

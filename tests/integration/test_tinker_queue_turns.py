@@ -1,0 +1,112 @@
+"""Per-tenant turns at a work queue (``marlaas.platform.tenant_turns.TenantQueues``) against a real
+nats-server, on the TINKER stream the trainer and rollout read: a tenant's backlog does not hold
+another's request, each tenant's requests keep their order, the bounds hold, a failed request is
+delivered again, and the single consumer of before is retired."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from marlaas.platform.bus import Bus, Delivery
+from marlaas.platform.tenant_turns import TenantQueues
+from polling import eventually
+
+pytestmark = pytest.mark.timeout(60)
+SUBJECT = "marlaas.tinker.train"
+
+
+@contextlib.asynccontextmanager
+async def serving(queues: TenantQueues, handler):
+    stop = asyncio.Event()
+    task = asyncio.create_task(queues.run(handler, stop))
+    try:
+        yield task
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=5)
+
+
+async def queue(bus: Bus, tenant: str, n: int, subject: str = SUBJECT) -> None:
+    for i in range(n):
+        await bus.publish(f"{subject}.{tenant}", f"{tenant}:{i}".encode(), msg_id=f"{subject}:{tenant}:{i}")
+
+
+async def test_a_tenants_request_is_served_before_anothers_backlog_drains(bus):
+    await queue(bus, "bob", 12)  # bob's twelve large forward_backwards came first
+    served: list[str] = []
+
+    async def handler(delivery: Delivery) -> None:
+        served.append(delivery.data.decode())
+        await asyncio.sleep(0.2)  # a request takes a while: the queue is read between requests
+
+    queues = TenantQueues(bus, "TINKER", "trainer-tinker", SUBJECT, ack_wait_s=20, max_deliver=-1)
+    async with serving(queues, handler):
+        await eventually(lambda: served, timeout_s=10, what="bob's first request in hand")
+        await queue(bus, "alice", 1)
+        await eventually(lambda: len(served) == 13, timeout_s=30, what="every request served")
+    assert "alice:0" in served[:3], served  # behind at most the one or two of bob's taken meanwhile
+    assert [s for s in served if s.startswith("bob")] == [f"bob:{i}" for i in range(12)]  # bob's in order
+    assert (await bus.js.stream_info("TINKER")).state.messages == 0  # every one acked
+
+
+async def test_sampling_is_bounded_in_all_and_per_tenant(bus):
+    await queue(bus, "bob", 10, "marlaas.tinker.sample")
+    await queue(bus, "alice", 2, "marlaas.tinker.sample")
+    in_hand: dict[str, int] = {}
+    most = {"total": 0, "bob": 0, "alice": 0}
+    served: list[str] = []
+
+    async def handler(delivery: Delivery) -> None:
+        tenant = delivery.data.decode().split(":")[0]
+        in_hand[tenant] = in_hand.get(tenant, 0) + 1
+        most[tenant] = max(most[tenant], in_hand[tenant])
+        most["total"] = max(most["total"], sum(in_hand.values()))
+        await asyncio.sleep(0.1)
+        in_hand[tenant] -= 1
+        served.append(delivery.data.decode())
+
+    queues = TenantQueues(bus, "TINKER", "rollout-tinker", "marlaas.tinker.sample", ack_wait_s=20,
+                          max_deliver=3, concurrency=3, per_tenant=2)
+    async with serving(queues, handler):
+        await eventually(lambda: len(served) == 12, timeout_s=30, what="every request served")
+    assert most == {"total": 3, "bob": 2, "alice": 2}, most
+    assert max(served.index("alice:0"), served.index("alice:1")) < served.index("bob:9"), served
+
+
+async def test_a_failed_request_is_delivered_again(bus):
+    await queue(bus, "bob", 1)
+    attempts: list[int] = []
+
+    async def handler(delivery: Delivery) -> None:
+        attempts.append(delivery.num_delivered)
+        if delivery.num_delivered == 1:
+            raise RuntimeError("the trainer failed this once")
+
+    queues = TenantQueues(bus, "TINKER", "trainer-tinker", SUBJECT, ack_wait_s=20, max_deliver=-1,
+                          retry_delay_s=0.1)
+    async with serving(queues, handler):
+        await eventually(lambda: attempts == [1, 2], timeout_s=15, what="the request delivered again")
+
+
+async def test_the_single_consumer_of_before_is_retired(bus):
+    # a stack upgraded in place: the old consumer of every tenant's subjects overlaps each tenant's
+    old = ConsumerConfig(durable_name="trainer-tinker", filter_subject=f"{SUBJECT}.>", ack_policy=AckPolicy.EXPLICIT)
+    await bus.js.add_consumer("TINKER", old)
+    await queue(bus, "alice", 1)
+    served: list[str] = []
+
+    async def handler(delivery: Delivery) -> None:
+        served.append(delivery.data.decode())
+
+    queues = TenantQueues(bus, "TINKER", "trainer-tinker", SUBJECT, ack_wait_s=20, max_deliver=-1)
+    await queues.retire("trainer-tinker")
+    await queues.retire("trainer-tinker")  # a second replica's retire finds it gone
+    async with serving(queues, handler):
+        await eventually(lambda: served == ["alice:0"], timeout_s=15, what="alice's request served")
+    names = [info.name for info in await bus.js.consumers_info("TINKER")]
+    assert "trainer-tinker" not in names and "trainer-tinker-alice" in names
+

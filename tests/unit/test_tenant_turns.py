@@ -1,0 +1,50 @@
+"""The per-tenant turn at the Tinker work queues (``marlaas.platform.tenant_turns.next_turn``)."""
+
+from __future__ import annotations
+
+from marlaas.platform.tenant_turns import next_turn
+
+
+def serve(waiting: dict[str, int], turns: int, **kw) -> list[str]:
+    """The tenants served in ``turns`` turns, each turn's request done before the next."""
+    waiting, order, last = dict(waiting), [], None
+    for _ in range(turns):
+        last = next_turn(waiting, last, **kw)
+        if last is None:
+            break
+        order.append(last)
+        waiting[last] -= 1
+    return order
+
+
+def test_nobody_waiting_is_no_turn():
+    assert next_turn({}, None) is None
+    assert next_turn({"alice": 0}, "alice") is None
+
+
+def test_a_small_request_is_served_next_whatever_the_others_backlog():
+    # bob's 12 large forward_backwards came first; alice's one comes right after bob's current one
+    assert serve({"bob": 12, "alice": 1}, 3) == ["alice", "bob", "bob"]
+    assert next_turn({"bob": 11, "alice": 1}, "bob") == "alice"
+
+
+def test_tenants_take_turns_round_robin_in_name_order():
+    assert serve({"carol": 2, "alice": 2, "bob": 3}, 7) == ["alice", "bob", "carol", "alice", "bob", "carol", "bob"]
+
+
+def test_a_tenant_alone_is_served_back_to_back():
+    assert serve({"bob": 3}, 5) == ["bob", "bob", "bob"]
+
+
+def test_the_turn_after_a_tenant_gone_from_the_queue_goes_on_in_order():
+    assert next_turn({"alice": 1, "carol": 1}, "bob") == "carol"
+    assert next_turn({"alice": 1, "carol": 1}, "zed") == "alice"
+
+
+def test_requests_in_hand_are_not_waiting_and_a_tenant_at_its_cap_is_skipped():
+    # bob's 5 in the queue include the 2 being sampled: at his cap of 2, alice's turn it is
+    assert next_turn({"bob": 5, "alice": 1}, "alice", in_hand={"bob": 2}, per_tenant=2) == "alice"
+    assert next_turn({"bob": 5}, None, in_hand={"bob": 2}, per_tenant=2) is None
+    assert next_turn({"bob": 5}, None, in_hand={"bob": 1}, per_tenant=2) == "bob"
+    # every request of alice's in hand: none of hers is waiting
+    assert next_turn({"alice": 2, "bob": 1}, "bob", in_hand={"alice": 2}) == "bob"
