@@ -16,6 +16,7 @@ import asyncio
 
 import structlog
 
+from marlaas.platform import subjects
 from marlaas.platform.events import RewardResult, encode
 from marlaas.platform.files import DataFiles
 from marlaas.platform.runtime import Runtime
@@ -32,7 +33,7 @@ log = structlog.get_logger("env")
 
 
 def reward_subject(task: str) -> str:
-    return f"marlaas.reward.{task}"
+    return f"{subjects.REWARD}.{task}"
 
 
 async def run(rt: Runtime) -> None:

@@ -34,7 +34,7 @@ from litestar.static_files import create_static_files_router
 from litestar.openapi.plugins import JsonRenderPlugin
 from litestar.openapi.spec import Components, SecurityScheme
 
-from marlaas.platform import api
+from marlaas.platform import api, subjects
 from marlaas.platform.bus import Bus
 from marlaas.platform.config import Config
 from marlaas.platform.store import ObjectStore
@@ -278,7 +278,7 @@ async def readyz(request: Request) -> Response:
     if not gateway.bus.nc.is_connected:
         return Response({"error": "not connected to NATS"}, status_code=503)
     try:
-        await asyncio.wait_for(gateway.bus.request(api.PING, b"{}", 2.0), 3.0)
+        await asyncio.wait_for(gateway.bus.request(subjects.API_PING, b"{}", 2.0), 3.0)
     except TimeoutError:
         return Response({"error": "the manager does not answer"}, status_code=503)
     return Response({"ok": True}, status_code=200)

@@ -32,9 +32,10 @@ import nats.js.errors
 import structlog
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
+from marlaas.platform import subjects
 from marlaas.platform.bus import Bus
 from marlaas.platform.events import JOB, POLICY, EventDecodeError, JobEvaluated, JobState, JobStateChanged, PolicyCommitted
-from services.gateway.reads import job_record, last_sequence, policy_subject, refused
+from services.gateway.reads import job_record, last_sequence, refused
 
 log = structlog.get_logger("gateway")
 KEEPALIVE_S = 15.0
@@ -89,9 +90,9 @@ async def end_positions(bus: Bus, tenant: str, job: str) -> tuple[int, int] | No
     if (record.state is JobState.COMPLETED and record.spec.eval_every and not last_scored
             and time.time() - record.finished_at < EVAL_GRACE_S):
         return None
-    jobs_end = max(await last_sequence(bus, "JOBS", f"marlaas.job.state.{job}"),
-                   await last_sequence(bus, "JOBS", f"marlaas.job.eval.{job}"))
-    return await last_sequence(bus, "POLICY", policy_subject(job)), jobs_end
+    jobs_end = max(await last_sequence(bus, "JOBS", subjects.job_state(job)),
+                   await last_sequence(bus, "JOBS", subjects.job_eval(job)))
+    return await last_sequence(bus, "POLICY", subjects.policy_committed(job)), jobs_end
 
 
 class JobEvents:
@@ -116,7 +117,7 @@ class JobEvents:
     async def open(self) -> JobEvents:
         """Subscribe to the job's two streams; :class:`BrokerRefused` (closed again) if refused."""
         try:
-            for stream, subject in (("POLICY", policy_subject(self.job)), ("JOBS", f"marlaas.job.*.{self.job}")):
+            for stream, subject in (("POLICY", subjects.policy_committed(self.job)), ("JOBS", subjects.job_events(self.job))):
                 self._subs.append(await self._follow(stream, subject))
         except nats.js.errors.APIError as exc:
             await self.close()

@@ -21,6 +21,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
+from marlaas.platform import subjects
 from marlaas.platform.bus import Bus
 from marlaas.platform.events import METRIC, EventDecodeError, JobRecord, JobState, Span
 from marlaas.platform.telemetry import UTILIZATION_JOB
@@ -111,7 +112,7 @@ class StackMetrics:
         # ordered consumer by sequence but keeps a start time, which the server refuses (10094)
         first = await first_sequence_since(bus, time.time() - FOLLOW_FROM_S)
         config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=first)
-        sub = await bus.js.subscribe("marlaas.span.>", stream="METRICS", cb=on_span, ordered_consumer=True,
+        sub = await bus.js.subscribe(subjects.span(), stream="METRICS", cb=on_span, ordered_consumer=True,
                                      config=config)
         try:
             await stop.wait()
@@ -124,7 +125,7 @@ async def first_sequence_since(bus: Bus, since: float) -> int:
     """The METRICS stream's first sequence stored at or after ``since`` (epoch seconds), or the
     next one to come if none is; read with a throwaway consumer that starts at that time."""
     start = datetime.datetime.fromtimestamp(since, datetime.timezone.utc)
-    sub = await bus.js.pull_subscribe("marlaas.span.>", stream="METRICS", config=ConsumerConfig(
+    sub = await bus.js.pull_subscribe(subjects.span(), stream="METRICS", config=ConsumerConfig(
         deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start))
     try:
         msgs = await sub.fetch(1, timeout=1.0)

@@ -21,12 +21,12 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from marlaas.platform import subjects
 from marlaas.platform.bus import JOBS_BUCKET, Bus
 from marlaas.platform.events import (
     JOB_RECORD, METRIC, POLICY, EventDecodeError, JobRecord, JobState, PolicyCommitted,
 )
 from marlaas.platform.http_api import EvalInfo, JobInfo, PhaseSpan, VersionInfo
-from marlaas.platform.telemetry import span_subject
 
 log = structlog.get_logger("gateway")
 
@@ -167,15 +167,11 @@ def job_info(record: JobRecord, queue_position: int | None = None) -> JobInfo:
     )
 
 
-def policy_subject(job: str) -> str:
-    return f"marlaas.policy.committed.{job}"
-
-
 async def committed_versions(bus: Bus, job: str) -> list[PolicyCommitted]:
     """The job's policy-committed announcements, one per version (a re-announcement is dropped),
     from the POLICY stream: the ``versions`` KV holds only the latest."""
     by_version: dict[int, PolicyCommitted] = {}
-    for msg in await read_messages(bus, "POLICY", policy_subject(job)):
+    for msg in await read_messages(bus, "POLICY", subjects.policy_committed(job)):
         event = POLICY.decode(msg.data)
         by_version.setdefault(event.version, event)
     return [by_version[v] for v in sorted(by_version)]
@@ -193,7 +189,7 @@ TIMELINE_PHASES = ("generate", "reward", "train", "commit", "eval")
 async def job_timeline(bus: Bus, job: str) -> list[PhaseSpan]:
     """The job's recorded phases, oldest first: what its spans say, without their attributes
     (which replica's pid, batch ids: the platform's, not the tenant's)."""
-    spans = [METRIC.decode(msg.data) for msg in await read_messages(bus, "METRICS", span_subject(job))]
+    spans = [METRIC.decode(msg.data) for msg in await read_messages(bus, "METRICS", subjects.span(job))]
     return sorted((PhaseSpan(version=s.version, phase=s.phase, service=s.service, start=s.start, end=s.end)
                    for s in spans if s.phase in TIMELINE_PHASES and s.job == job), key=lambda s: (s.start, s.end))
 

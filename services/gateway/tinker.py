@@ -28,7 +28,8 @@ from litestar import Request, Response, Router, delete, get, post
 from litestar.di import Provide
 from tinker.proto import tinker_public_pb2 as pb
 
-from marlaas.platform import api, tinker as wire
+from marlaas.platform import api, limits, subjects
+from marlaas.platform import tinker as wire
 from marlaas.platform.adapters import read_adapter
 from marlaas.platform.store import ObjectNotFound
 from marlaas.platform.tenants import TenantRecord, authenticate, tinker_api_key
@@ -116,7 +117,7 @@ async def submit_training(gateway: Gateway, tenant: TenantRecord, model_id: str,
         raise ApiError(413, f"a request of {len(body)} bytes is over {MAX_REQUEST_BYTES} (one NATS message): send "
                             "fewer datums at a time (the SDK splits forward_backward into chunks itself)")
     request_id = wire.request_id(model_id, seq_id)
-    await gateway.bus.publish(f"{wire.TRAIN_SUBJECT}.{tenant.name}", msgspec.json.encode(wire.TrainRequest(
+    await gateway.bus.publish(subjects.tinker_train(tenant.name), msgspec.json.encode(wire.TrainRequest(
         request_id=request_id, tenant=tenant.name, model_id=model_id, kind=kind, body=body,
         seq_id=seq_id or 0, submitted_at=time.time())), msg_id=request_id)
     return {"request_id": request_id, "model_id": model_id}
@@ -136,7 +137,7 @@ async def client_config(tenant: TenantRecord) -> dict:
 @post("/create_session", status_code=200)
 async def create_session(request: Request, tenant: TenantRecord) -> dict:
     session = wire.TinkerSession(id=uuid.uuid4().hex, tenant=tenant.name, created_at=time.time())
-    await check_quota(gateway_of(request), api.TINKER_SESSION, api.TinkerSessionRequest(session=session))
+    await check_quota(gateway_of(request), subjects.API_TINKER_SESSION, api.TinkerSessionRequest(session=session))
     return {"type": "create_session", "session_id": session.id}
 
 
@@ -195,7 +196,7 @@ async def create_model(request: Request, tenant: TenantRecord) -> dict:
         seed=seed, train_mlp=bool(lora.get("train_mlp", True)),
         train_attn=bool(lora.get("train_attn", True)), train_unembed=bool(lora.get("train_unembed", True)),
         created_at=time.time())
-    await check_quota(gateway, api.TINKER_MODEL, api.TinkerModelRequest(model=model))
+    await check_quota(gateway, subjects.API_TINKER_MODEL, api.TinkerModelRequest(model=model))
     return await submit_training(gateway, tenant, model.id, "create_model", b"{}", 0)
 
 
@@ -268,7 +269,7 @@ async def load_weights(request: Request, tenant: TenantRecord) -> dict:
         base_model=source.base_model if source else sorted(served_names(gateway))[0], rank=checkpoint.rank,
         train_mlp=source.train_mlp if source else True, train_attn=source.train_attn if source else True,
         created_at=time.time(), from_checkpoint=checkpoint.path)
-    await check_quota(gateway, api.TINKER_MODEL, api.TinkerModelRequest(model=model))
+    await check_quota(gateway, subjects.API_TINKER_MODEL, api.TinkerModelRequest(model=model))
     return await submit_training(gateway, tenant, model.id, "load_weights", raw, 0)
 
 
@@ -355,9 +356,9 @@ async def asample(request: Request, tenant: TenantRecord) -> dict:
         raise ApiError(400, str(exc)) from None
     params = body.get("sampling_params") or {}
     seed = params.get("seed") if isinstance(params, dict) else None
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < wire.MAX_SEED):
-        raise ApiError(400, f"sampling_params.seed must be a whole number from 0 to {wire.MAX_SEED - 1}, not {seed!r}")
-    await gateway.bus.publish(f"{wire.SAMPLE_SUBJECT}.{tenant.name}", msgspec.json.encode(wire.SampleRequest(
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < limits.MAX_SAMPLING_SEED):
+        raise ApiError(400, f"sampling_params.seed must be a whole number from 0 to {limits.MAX_SAMPLING_SEED - 1}, not {seed!r}")
+    await gateway.bus.publish(subjects.tinker_sample(tenant.name), msgspec.json.encode(wire.SampleRequest(
         request_id=request_id, tenant=tenant.name, sampler=sampler, body=raw, submitted_at=time.time())),
         msg_id=request_id)
     return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{j}" for j in range(n)]}

@@ -12,7 +12,7 @@ from litestar import Request, delete, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
-from marlaas.platform import api
+from marlaas.platform import api, limits, subjects
 from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE, read_adapter
 from marlaas.platform.events import PolicyCommitted
 from marlaas.platform.http_api import Cancelled, Deleted, JobInfo, PhaseSpan, Pinned, Submitted, VersionInfo
@@ -26,7 +26,6 @@ from services.gateway.reads import (
 from services.gateway.submission import SubmissionRefused, check_submission, parse_body
 
 CHUNK_BYTES = 64 * 1024
-MAX_VERSION = 100_000  # the most steps a job may have
 _VERSION = re.compile(r"[0-9]{1,6}")
 REFUSALS = {api.QUOTA: 429, api.NOT_FOUND: 404, api.FINISHED: 409, api.INVALID: 400,
             api.UNAVAILABLE: 503}
@@ -34,9 +33,9 @@ REFUSALS = {api.QUOTA: 429, api.NOT_FOUND: 404, api.FINISHED: 409, api.INVALID: 
 
 def version_number(raw: str, name: str) -> int:
     """A version from a path or query parameter; a clear 400 when it is not ASCII digits
-    (``int`` would read other scripts' digits: '٣' is 3) or not a number from 0 to MAX_VERSION."""
-    if not _VERSION.fullmatch(raw) or int(raw) > MAX_VERSION:
-        raise ApiError(400, f"{name} must be a whole number from 0 to {MAX_VERSION} (a committed version, "
+    (``int`` would read other scripts' digits: '٣' is 3) or not a number from 0 to limits.MAX_STEPS."""
+    if not _VERSION.fullmatch(raw) or int(raw) > limits.MAX_STEPS:
+        raise ApiError(400, f"{name} must be a whole number from 0 to {limits.MAX_STEPS} (a committed version, "
                             f"in the digits 0-9, e.g. 3), not {raw!r}")
     return int(raw)
 
@@ -61,7 +60,7 @@ async def submit_job(request: Request, tenant: TenantRecord) -> Submitted:
                                 request.headers.get("idempotency-key", ""))
     except SubmissionRefused as exc:
         raise ApiError(exc.status, str(exc)) from None
-    reply = await gateway.call(api.SUBMIT, tree, api.SubmitReply)
+    reply = await gateway.call(subjects.API_SUBMIT, tree, api.SubmitReply)
     if reply.error:
         raise ApiError(REFUSALS.get(reply.code, 400), reply.error)
     return Submitted(id=reply.id)
@@ -86,7 +85,7 @@ async def get_job(request: Request, tenant: TenantRecord, job: str) -> JobInfo:
 @post("/jobs/{job:str}/cancel", status_code=200, summary="Cancel a queued or running job")
 async def cancel_job(request: Request, tenant: TenantRecord, job: str) -> Cancelled:
     await owned(request, tenant, job)
-    reply = await gateway_of(request).call(api.CANCEL, api.CancelRequest(job=job, tenant=tenant.name),
+    reply = await gateway_of(request).call(subjects.API_CANCEL, api.CancelRequest(job=job, tenant=tenant.name),
                                            api.CancelReply)
     if reply.code == api.NOT_FOUND:
         raise not_found(job)
@@ -100,7 +99,7 @@ async def cancel_job(request: Request, tenant: TenantRecord, job: str) -> Cancel
                     "optimizer states, trajectories and events.")
 async def delete_job(request: Request, tenant: TenantRecord, job: str) -> Deleted:
     await owned(request, tenant, job)
-    reply = await gateway_of(request).call(api.DELETE, api.DeleteRequest(job=job, tenant=tenant.name),
+    reply = await gateway_of(request).call(subjects.API_DELETE, api.DeleteRequest(job=job, tenant=tenant.name),
                                            api.DeleteReply)
     if reply.code == api.NOT_FOUND:
         raise not_found(job)
@@ -129,7 +128,7 @@ async def get_timeline(request: Request, tenant: TenantRecord, job: str) -> list
 async def pin_version(request: Request, tenant: TenantRecord, job: str, version: str) -> Pinned:
     await owned(request, tenant, job)
     number = version_number(version, "the version in the path")
-    reply = await gateway_of(request).call(api.PIN, api.PinRequest(job=job, version=number, tenant=tenant.name),
+    reply = await gateway_of(request).call(subjects.API_PIN, api.PinRequest(job=job, version=number, tenant=tenant.name),
                                            api.PinReply)
     if reply.code == api.NOT_FOUND:
         raise not_found(job)

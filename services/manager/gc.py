@@ -26,8 +26,8 @@ import asyncio
 import re
 from dataclasses import dataclass
 
+from marlaas.platform import subjects
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
-from marlaas.platform.commits import policy_subject
 from marlaas.platform.events import COMMITTED, JOB_RECORD, POLICY
 from marlaas.platform.store import ObjectStore
 
@@ -93,7 +93,7 @@ def plan_collection(job: str, keys: list[str], committed: dict[int, str], latest
 async def committed_attempts(bus: Bus, store: ObjectStore, job: str) -> dict[int, str]:
     """Each announced version's committed adapter attempt prefix."""
     attempts = {}
-    for data in await bus.read_all("POLICY", policy_subject(job)):
+    for data in await bus.read_all("POLICY", subjects.policy_committed(job)):
         event = POLICY.decode(data)
         attempts[event.version] = attempt_of(store.key_of(event.adapter.uri))
     return attempts

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import structlog
 
-from marlaas.platform import api, tinker
+from marlaas.platform import api, subjects, tinker
 from marlaas.platform.bus import JOBS_BUCKET, SAMPLED_BUCKET, TINKER_BUCKET, VERSIONS_BUCKET, Bus
 from marlaas.platform.events import JOB_RECORD, JobRecord, JobSpec, JobState
 from marlaas.platform.store import ObjectStore
@@ -41,8 +41,8 @@ RESWEEP_AFTER_S = (5.0, 30.0)  # in-flight work of a just-cancelled job may stil
 
 def job_subjects(job: str) -> tuple[tuple[str, str], ...]:
     """(stream, subject) of every message the system keeps about ``job``."""
-    return (("JOBS", f"marlaas.job.*.{job}"), ("POLICY", f"marlaas.policy.committed.{job}"),
-            ("TRAJ", f"marlaas.trajectory.ready.{job}"), ("METRICS", f"marlaas.span.{job}"))
+    return (("JOBS", subjects.job_events(job)), ("POLICY", subjects.policy_committed(job)),
+            ("TRAJ", subjects.trajectory_ready(job)), ("METRICS", subjects.span(job)))
 
 
 async def read_record(bus: Bus, job: str, tenant: str = "") -> JobRecord | None:

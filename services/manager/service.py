@@ -21,7 +21,7 @@ from collections.abc import Callable
 import msgspec
 import structlog
 
-from marlaas.platform import api, limits, tinker
+from marlaas.platform import api, limits, subjects, tinker
 from marlaas.platform.adapters import init_adapter, write_adapter
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery, StaleRevision
 from marlaas.platform.commits import announce
@@ -33,7 +33,6 @@ from marlaas.platform.events import (
 )
 from marlaas.platform.files import DataFiles
 from marlaas.platform.runtime import Runtime
-from marlaas.platform.telemetry import span_subject
 from marlaas.platform.store import ObjectStore
 from marlaas.tasks import TaskError, get_task
 from marlaas.tools.registry import BUILTIN_REWARDS, ToolNameError, read_tool, reward_subject, split_qualified
@@ -54,8 +53,6 @@ _TENANT = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 5.0
 # upper bounds of a submission's integers: generous for real jobs, and within what torch, peft and
 # vLLM take (a seed is a torch generator's, which holds a signed 64-bit integer)
-MAX_SEED = 2**63 - 1
-MAX_STEPS = 100_000
 MAX_PROMPTS_PER_STEP, MAX_GROUP_SIZE = 4096, 1024
 MAX_LORA_ALPHA = 4096
 AGENT_METRICS = ("tool/", "episode/")  # per-version figures kept in the job record, beside rewards
@@ -124,8 +121,8 @@ class Manager:
              "submission, e.g. a UUID)"),
             (len(request.name) > 64, "name must be at most 64 characters"),
             (not _TENANT.match(request.tenant), "tenant must be lowercase letters, digits and '-'"),
-            (not 1 <= request.steps <= MAX_STEPS, f"steps must be between 1 and {MAX_STEPS}"),
-            (not 0 <= request.seed <= MAX_SEED, f"seed must be between 0 and {MAX_SEED} (2**63 - 1)"),
+            (not 1 <= request.steps <= limits.MAX_STEPS, f"steps must be between 1 and {limits.MAX_STEPS}"),
+            (not 0 <= request.seed <= limits.MAX_JOB_SEED, f"seed must be between 0 and {limits.MAX_JOB_SEED} (2**63 - 1)"),
             (not 1 <= g.prompts_per_step <= MAX_PROMPTS_PER_STEP,
              f"grpo.prompts_per_step must be between 1 and {MAX_PROMPTS_PER_STEP}"),
             (not 2 <= g.group_size <= MAX_GROUP_SIZE, f"grpo.group_size must be at least 2 and at most "
@@ -144,8 +141,8 @@ class Manager:
              f"lora.rank must be between 1 and {rc.max_lora_rank} (rollout.max_lora_rank)"),
             (g.max_new_tokens < 0, "grpo.max_new_tokens must be >= 0 (0 = the task's own budget); its "
              "upper bound is rollout.max_model_len less the prompt, checked with the task below"),
-            (not 0 <= request.eval_every <= MAX_STEPS,
-             f"eval_every must be >= 0 and at most {MAX_STEPS} (0 = no evaluation)"),
+            (not 0 <= request.eval_every <= limits.MAX_STEPS,
+             f"eval_every must be >= 0 and at most {limits.MAX_STEPS} (0 = no evaluation)"),
             (not 1 <= request.eval_problems <= 1000, "eval_problems must be between 1 and 1000"),
             (bool(request.eval_dataset) and not request.eval_every,
              "eval_dataset is set but eval_every is 0: set eval_every = N to evaluate every N versions"),
@@ -287,7 +284,7 @@ class Manager:
         job = record.spec.id
         await self.bus.kv_create(JOBS_BUCKET, job, encode(record))
         try:
-            await self.bus.publish(f"marlaas.job.submitted.{job}", encode(JobSubmitted(spec=record.spec)))
+            await self.bus.publish(subjects.job_submitted(job), encode(JobSubmitted(spec=record.spec)))
         except Exception:
             await self.bus.kv_delete(JOBS_BUCKET, job)
             raise
@@ -365,7 +362,7 @@ class Manager:
 
         try:
             if await self.update(job, change) is not None:
-                await self.bus.publish(f"marlaas.job.state.{job}", encode(JobStateChanged(
+                await self.bus.publish(subjects.job_state(job), encode(JobStateChanged(
                     job=job, state=JobState.QUEUED, reason=reason, at=time.time())))
         except Exception:
             log.exception("could not record why the job is still queued", job=job, reason=reason)
@@ -452,7 +449,7 @@ class Manager:
 
         if (record := await self.update(job, change)) is None:
             return False
-        await self.bus.publish(f"marlaas.job.state.{job}",
+        await self.bus.publish(subjects.job_state(job),
                                encode(JobStateChanged(job=job, state=state, reason=reason, at=time.time())))
         log.info("job state", job=job, state=state.value, reason=reason)
         if state.finished:
@@ -656,27 +653,27 @@ async def _pong(data: bytes) -> bytes:
 
 async def run(rt: Runtime) -> None:
     manager = await asyncio.to_thread(Manager, rt.bus, rt.store, rt.config)
-    await rt.bus.serve(api.SUBMIT, "manager", _reply(manager.submit))
-    await rt.bus.serve(api.STATUS, "manager", _reply(manager.status))
-    await rt.bus.serve(api.CANCEL, "manager", _reply(manager.cancel))
-    await rt.bus.serve(api.DELETE, "manager", _reply(lambda data: delete_job(manager, data)))
-    await rt.bus.serve(api.PIN, "manager", _reply(lambda data: pin_version(manager, data)))
-    await rt.bus.serve(api.PING, "manager", _pong)
-    await rt.bus.serve(api.TINKER_SESSION, "manager", _reply(lambda data: create_tinker_session(manager, data)))
-    await rt.bus.serve(api.TINKER_MODEL, "manager", _reply(lambda data: create_tinker_model(manager, data)))
+    await rt.bus.serve(subjects.API_SUBMIT, "manager", _reply(manager.submit))
+    await rt.bus.serve(subjects.API_STATUS, "manager", _reply(manager.status))
+    await rt.bus.serve(subjects.API_CANCEL, "manager", _reply(manager.cancel))
+    await rt.bus.serve(subjects.API_DELETE, "manager", _reply(lambda data: delete_job(manager, data)))
+    await rt.bus.serve(subjects.API_PIN, "manager", _reply(lambda data: pin_version(manager, data)))
+    await rt.bus.serve(subjects.API_PING, "manager", _pong)
+    await rt.bus.serve(subjects.API_TINKER_SESSION, "manager", _reply(lambda data: create_tinker_session(manager, data)))
+    await rt.bus.serve(subjects.API_TINKER_MODEL, "manager", _reply(lambda data: create_tinker_model(manager, data)))
     if manager.adaptive:
-        await rt.bus.nc.subscribe(span_subject(">"), cb=manager.on_span)  # engine and train spans
+        await rt.bus.nc.subscribe(subjects.span(">"), cb=manager.on_span)  # engine and train spans
     rt.ready()
     log.info("ready", schedule=rt.config.manager.schedule, admission=rt.config.manager.admission,
              kv_budget_mib=round(manager.budget_bytes / 2**20, 1))
     await asyncio.gather(
         manager.keep_admitting(rt.stop),  # also picks up where a previous manager left off
-        rt.bus.consume("POLICY", "manager", "marlaas.policy.committed.>", manager.on_policy, stop=rt.stop),
-        rt.bus.consume("JOBS", "manager-failures", "marlaas.job.failure.>", manager.on_job_event,
+        rt.bus.consume("POLICY", "manager", subjects.policy_committed(), manager.on_policy, stop=rt.stop),
+        rt.bus.consume("JOBS", "manager-failures", subjects.job_failure(), manager.on_job_event,
                        stop=rt.stop),
-        rt.bus.consume("JOBS", "manager-warnings", "marlaas.job.warning.>", manager.on_job_event,
+        rt.bus.consume("JOBS", "manager-warnings", subjects.job_warning(), manager.on_job_event,
                        stop=rt.stop),
-        rt.bus.consume("JOBS", "manager-evals", "marlaas.job.eval.>", manager.on_job_event, stop=rt.stop),
+        rt.bus.consume("JOBS", "manager-evals", subjects.job_eval(), manager.on_job_event, stop=rt.stop),
         sweep_tinker_sessions(rt.bus, rt.store, rt.stop),
     )
 

@@ -19,6 +19,7 @@ import time
 
 import structlog
 
+from marlaas.platform import subjects
 from marlaas.platform.adapters import attempt_prefix, materialize
 from marlaas.platform.bus import JOBS_BUCKET, SAMPLED_BUCKET, Bus, Delivery, PoisonMessage
 from marlaas.platform.commits import read_job, report_failure
@@ -30,7 +31,7 @@ from marlaas.platform.files import DataFiles, is_file_id
 from marlaas.platform.runtime import Runtime
 from marlaas.platform.store import ObjectStore
 from marlaas.tasks import Task, TaskError, get_task
-from marlaas.platform.telemetry import UTILIZATION_JOB, span, span_subject
+from marlaas.platform.telemetry import UTILIZATION_JOB, span
 from marlaas.tools.registry import reward_subject
 from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
 from services.rollout.announcements import Reaction, plan_announcement
@@ -211,7 +212,7 @@ class Rollout:
             log.warning("evaluation failed; training goes on", job=spec.id, version=version, error=str(exc))
             return
         score = sum(rewards) / len(rewards)
-        await self.bus.publish(f"marlaas.job.eval.{spec.id}", encode(JobEvaluated(
+        await self.bus.publish(subjects.job_eval(spec.id), encode(JobEvaluated(
             job=spec.id, version=version, score=score, problems=len(problems), at=time.time())),
             msg_id=f"{spec.id}:eval:{version}")
         log.info("evaluated", job=spec.id, version=version, score=round(score, 4))
@@ -334,7 +335,7 @@ class Rollout:
     def watched_request(self, job: str):
         """``bus.request`` for ``job``'s tool calls, telling :attr:`liveness` which tools answer."""
         async def request(subject: str, data: bytes, timeout_s: float) -> bytes:
-            what = "tool " + subject.removeprefix("marlaas.tool.")
+            what = "tool " + subject.removeprefix(f"{subjects.TOOL}.")
             try:
                 reply = await self.bus.request(subject, data, timeout_s)
             except TimeoutError:
@@ -360,7 +361,7 @@ class Rollout:
         items = [RewardItem(problem=p, completion=text) for p, text in pairs]
         request = RewardRequest(job=spec.id, task=spec.task, items=items, dataset=spec.dataset or "",
                                 corpus=spec.corpus or "", tenant=spec.tenant)
-        subject = reward_subject(spec.reward) if spec.reward else f"marlaas.reward.{spec.task}"
+        subject = reward_subject(spec.reward) if spec.reward else f"{subjects.REWARD}.{spec.task}"
         data, limit = encode(request), self.bus.nc.max_payload
         if len(data) > limit:  # never sendable: fail the job now rather than after every retry
             raise PoisonMessage(
@@ -415,7 +416,7 @@ async def publish_batch(bus: Bus, store: ObjectStore, job: str, version: int, ba
         )
         data = encode(TrajectoryReady(job=job, version=version, batch_id=batch_id,
                                       batch_ref=ref, sampled_at=event.sampled_at))
-    await bus.publish(f"marlaas.trajectory.ready.{job}", data, msg_id=batch_id)
+    await bus.publish(subjects.trajectory_ready(job), data, msg_id=batch_id)
 
 
 async def report_utilization(bus: Bus, engine: PolicyEngine, stop: asyncio.Event, every_s: float = 2.0) -> None:
@@ -427,11 +428,11 @@ async def report_utilization(bus: Bus, engine: PolicyEngine, stop: asyncio.Event
             await asyncio.wait_for(stop.wait(), every_s)
         totals = engine.utilization.take()
         if any(totals.values()):
-            await bus.publish(span_subject(UTILIZATION_JOB), encode(Span(
+            await bus.publish(subjects.span(UTILIZATION_JOB), encode(Span(
                 job=UTILIZATION_JOB, service=SERVICE, phase="utilization", version=-1, start=start,
                 end=time.time(), attrs=totals)))
         for busy_start, busy_end in engine.utilization.take_intervals():
-            await bus.publish(span_subject(UTILIZATION_JOB), encode(Span(
+            await bus.publish(subjects.span(UTILIZATION_JOB), encode(Span(
                 job=UTILIZATION_JOB, service=SERVICE, phase="engine", version=-1, start=busy_start,
                 end=busy_end)))
 
@@ -447,12 +448,12 @@ async def run(rt: Runtime) -> None:
     rollout = Rollout(rt, engine)
     rt.ready()
     log.info("ready", base_model=str(rt.config.base_model_dir), lora_kernels=kernels)
-    await rt.bus.nc.subscribe("marlaas.job.state.>", cb=rollout.on_job_state)
+    await rt.bus.nc.subscribe(subjects.job_state(), cb=rollout.on_job_state)
     watchdog = asyncio.create_task(engine.watch(rt.stop))
     reporter = asyncio.create_task(report_utilization(rt.bus, engine, rt.stop))
     try:
         await asyncio.gather(
-            rt.bus.consume("POLICY", "rollout", "marlaas.policy.committed.>", rollout.handle,
+            rt.bus.consume("POLICY", "rollout", subjects.policy_committed(), rollout.handle,
                            stop=rt.stop, ack_wait_s=rt.config.rollout.ack_wait_s,
                            concurrency=rt.config.rollout.concurrency, on_give_up=rollout.give_up),
             serve_tinker(rt, rollout),  # Tinker clients' asample, on the same engine (services/rollout/tinker.py)

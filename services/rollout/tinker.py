@@ -26,6 +26,7 @@ import numpy as np
 import structlog
 from tinker.proto import tinker_public_pb2 as pb
 
+from marlaas.platform import limits, subjects
 from marlaas.platform import tinker as wire
 from marlaas.platform.adapters import materialize
 from marlaas.platform.bus import Delivery, PoisonMessage
@@ -103,8 +104,8 @@ class TinkerSampler:
                               "(rollout.max_model_len) with the sampled ones; shorten it")
         if not 1 <= n <= wire.MAX_SAMPLES:  # the gateway refuses these first; a queued request is checked again
             raise SampleError(f"num_samples is {n}: ask for 1 to {wire.MAX_SAMPLES}")
-        if numbers["seed"] is not None and not 0 <= numbers["seed"] < wire.MAX_SEED:
-            raise SampleError(f"sampling_params.seed must be 0 to {wire.MAX_SEED - 1}")
+        if numbers["seed"] is not None and not 0 <= numbers["seed"] < limits.MAX_SAMPLING_SEED:
+            raise SampleError(f"sampling_params.seed must be 0 to {limits.MAX_SAMPLING_SEED - 1}")
         if max_tokens is None or not 1 <= max_tokens <= limit:
             raise SampleError(f"sampling_params.max_tokens must be set, 1 to {limit} (the engine's "
                               f"max_model_len less the {len(prompt)}-token prompt)")
@@ -116,7 +117,7 @@ class TinkerSampler:
         stop_strings = [stop] if isinstance(stop, str) else [s for s in stop or [] if isinstance(s, str)]
         stop_ids = [s for s in stop or [] if isinstance(s, int)] if not isinstance(stop, str) else []
         seed = params.get("seed")
-        seeds = [(seed + j) % wire.MAX_SEED if seed is not None else random.getrandbits(31) for j in range(n)]
+        seeds = [(seed + j) % limits.MAX_SAMPLING_SEED if seed is not None else random.getrandbits(31) for j in range(n)]
         lora = await self.adapter(request.sampler.adapter)
         try:
             turns = await asyncio.gather(*[
@@ -170,7 +171,7 @@ async def serve_tinker(rt, rollout) -> None:
     out of the engine, nor another tenant's sampling."""
     sampler = TinkerSampler(rollout)
     cfg = rt.config.rollout
-    queues = TenantQueues(rt.bus, "TINKER", SAMPLE_DURABLE, wire.SAMPLE_SUBJECT, ack_wait_s=cfg.ack_wait_s,
+    queues = TenantQueues(rt.bus, "TINKER", SAMPLE_DURABLE, subjects.TINKER_SAMPLE, ack_wait_s=cfg.ack_wait_s,
                           max_deliver=3, concurrency=cfg.tinker_sample_concurrency,
                           per_tenant=cfg.tinker_sample_per_tenant)
     await queues.retire(SAMPLE_DURABLE)

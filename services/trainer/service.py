@@ -20,6 +20,7 @@ import uuid
 import structlog
 import torch
 
+from marlaas.platform import subjects
 from marlaas.platform.adapters import attempt_prefix, read_adapter, write_adapter
 from marlaas.platform.commits import announce, read_job, report_failure
 from marlaas.platform.bus import VERSIONS_BUCKET, Bus, Delivery, StaleRevision
@@ -192,12 +193,12 @@ async def run(rt: Runtime) -> None:
         cfg.trainer.micro_batch_tokens, int(cfg.trainer.hot_memory_gib * (1 << 30)),
     )
     trainer = Trainer(rt.bus, rt.store, policy, cfg.trainer.fault_crash_p)
-    await rt.bus.nc.subscribe("marlaas.job.state.>", cb=trainer.on_job_state)
+    await rt.bus.nc.subscribe(subjects.job_state(), cb=trainer.on_job_state)
     await trainer.reannounce_committed()
     rt.ready()
     log.info("ready", device=cfg.trainer.device, base_model=str(cfg.base_model_dir))
     await asyncio.gather(
-        rt.bus.consume("TRAJ", "trainer", "marlaas.trajectory.ready.>", trainer.handle,
+        rt.bus.consume("TRAJ", "trainer", subjects.trajectory_ready(), trainer.handle,
                        stop=rt.stop, ack_wait_s=rt.config.trainer.ack_wait_s, concurrency=1, on_give_up=trainer.give_up),
         run_tinker(rt, policy),  # Tinker clients' requests, on the same policy (services/trainer/tinker.py)
     )

@@ -32,7 +32,7 @@ import structlog
 import torch
 from tinker.proto import tinker_public_pb2 as pb
 
-from marlaas.platform import tinker as wire
+from marlaas.platform import subjects, tinker as wire
 from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE, init_adapter, read_adapter
 from marlaas.platform.bus import Bus, Delivery, PoisonMessage
 from marlaas.platform.events import GrpoSettings, LoraSettings
@@ -369,7 +369,7 @@ async def run_tinker(rt, policy: PolicyTrainer) -> None:
     backlog puts another tenant's next request behind at most one of its own (issue 35, F4). A
     job's trajectory batch, waiting for the policy's lock meanwhile, takes it between two requests."""
     trainer = TinkerTrainer(rt.bus, rt.store, policy, rt.config.base_model_dir, rt.config.rollout.max_model_len)
-    queues = TenantQueues(rt.bus, "TINKER", TRAIN_DURABLE, wire.TRAIN_SUBJECT, ack_wait_s=rt.config.trainer.ack_wait_s,
+    queues = TenantQueues(rt.bus, "TINKER", TRAIN_DURABLE, subjects.TINKER_TRAIN, ack_wait_s=rt.config.trainer.ack_wait_s,
                           max_deliver=-1)  # a request waiting for its model's turn is redelivered until it comes
     await queues.retire(TRAIN_DURABLE)
     await queues.run(trainer.handle, rt.stop)

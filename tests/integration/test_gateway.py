@@ -18,6 +18,7 @@ import httpx
 import msgspec
 import pytest
 
+from marlaas.platform import subjects
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
 from marlaas.platform.config import load_config
 from marlaas.stack.launcher import SERVICES, Stack
@@ -395,11 +396,11 @@ def test_quota_and_queue_position(stack, url, bob, alice):
     async def unlimited(bus):  # a tenant with no record (internal tools over NATS) has no quota
         from marlaas.platform import api
 
-        replies = [msgspec.json.decode(await bus.request(api.SUBMIT, json.dumps(
+        replies = [msgspec.json.decode(await bus.request(subjects.API_SUBMIT, json.dumps(
             {**SMALL, "name": f"internal-{i}", "tenant": "internal"}).encode(), 60), type=api.SubmitReply)
             for i in range(3)]
         for reply in replies:
-            await bus.request(api.CANCEL, json.dumps({"job": reply.id}).encode(), 60)
+            await bus.request(subjects.API_CANCEL, json.dumps({"job": reply.id}).encode(), 60)
         return replies
 
     assert all(reply.id and not reply.error for reply in run(with_bus(stack, unlimited)))

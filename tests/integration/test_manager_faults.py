@@ -16,10 +16,9 @@ import time
 import msgspec
 import pytest
 
-from marlaas.platform import api
+from marlaas.platform import api, subjects
 from marlaas.platform.adapters import write_adapter
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
-from marlaas.platform.commits import policy_subject
 from marlaas.platform.config import load_config
 from marlaas.platform.events import (
     COMMITTED, JOB, JOB_RECORD, POLICY, CommittedVersion, JobRecord, JobSpec, JobState, JobStateChanged,
@@ -97,7 +96,7 @@ async def test_a_failing_admission_says_why_on_the_record_and_is_retried_until_i
             record = await eventually(lambda job=job: _running(bus, job), what=f"{job} admitted")
             assert record.reason == ""  # cleared on admission
             assert COMMITTED.decode((await bus.kv_get(VERSIONS_BUCKET, job)).value).version == 0
-            announced = [POLICY.decode(d).version for d in await bus.read_all("POLICY", policy_subject(job))]
+            announced = [POLICY.decode(d).version for d in await bus.read_all("POLICY", subjects.policy_committed(job))]
             assert announced == [0]
         assert [(e.state, e.reason) for e in await state_events(bus, first.id)][-1] == (JobState.RUNNING, "")
     finally:
@@ -138,10 +137,10 @@ async def test_a_job_whose_version_0_cannot_be_built_fails_alone_and_the_pass_ad
 async def test_a_submit_whose_record_cannot_be_written_gets_a_clear_error_and_creates_nothing(
         bus, file_store, tmp_path):
     manager = await manager_on(bus, file_store, tmp_path)
-    await bus.serve(api.SUBMIT, "manager", _reply(manager.submit))
+    await bus.serve(subjects.API_SUBMIT, "manager", _reply(manager.submit))
 
     async def submit(name: str) -> api.SubmitReply:  # as a client does: request/reply over the bus
-        data = await bus.request(api.SUBMIT, submission(name), timeout_s=10)
+        data = await bus.request(subjects.API_SUBMIT, submission(name), timeout_s=10)
         return msgspec.json.decode(data, type=api.SubmitReply)
 
     await set_max_msg_size(bus, "KV_jobs", 64)  # the server refuses the record itself
@@ -204,7 +203,7 @@ async def test_the_final_announcement_twice_or_after_a_restart_completes_the_job
     manager, stop = await manager_on(bus, file_store, tmp_path), asyncio.Event()
     consuming = await consume_policy(bus, manager, stop)
     for _ in range(2):  # without Nats-Msg-Id: a repeat the duplicate window would not catch
-        await bus.publish(policy_subject(twice.job), encode(twice))
+        await bus.publish(subjects.policy_committed(twice.job), encode(twice))
     await eventually(lambda: _completed(bus, twice.job), what="completed")
     await asyncio.sleep(1.0)  # the repeat is handled too
     await stop_manager(manager, stop, consuming)
@@ -213,8 +212,8 @@ async def test_the_final_announcement_twice_or_after_a_restart_completes_the_job
     # restart), and the crashed manager's unacknowledged one reaches it for the first time
     manager, stop = await manager_on(bus, file_store, tmp_path), asyncio.Event()
     consuming = await consume_policy(bus, manager, stop)
-    await bus.publish(policy_subject(twice.job), encode(twice))
-    await bus.publish(policy_subject(crashed.job), encode(crashed))
+    await bus.publish(subjects.policy_committed(twice.job), encode(twice))
+    await bus.publish(subjects.policy_committed(crashed.job), encode(crashed))
     await eventually(lambda: _completed(bus, crashed.job), what="the crashed manager's job completed")
     await asyncio.sleep(1.0)
     await stop_manager(manager, stop, consuming)
@@ -256,7 +255,7 @@ async def test_a_finished_jobs_failed_last_garbage_collection_is_retried_before_
 
     manager, stop = await manager_on(bus, store, tmp_path), asyncio.Event()
     consuming = await consume_policy(bus, manager, stop)
-    await bus.publish(policy_subject(last.job), encode(last))
+    await bus.publish(subjects.policy_committed(last.job), encode(last))
     await eventually(lambda: _completed(bus, last.job), what="completed")
     await eventually(lambda: _all_acknowledged(bus), what="the last announcement acknowledged")
     await stop_manager(manager, stop, consuming)
@@ -294,10 +293,10 @@ async def test_a_finished_jobs_last_garbage_collection_does_not_hold_up_other_jo
     manager, stop = await manager_on(bus, store, tmp_path), asyncio.Event()
     consuming = await consume_policy(bus, manager, stop)
     try:
-        await bus.publish(policy_subject(last.job), encode(last))
+        await bus.publish(subjects.policy_committed(last.job), encode(last))
         assert await asyncio.to_thread(store.listing.wait, 30), "the finished job's last pass never listed"
         # while that pass lists, another job's trainer commits its version 1
-        await bus.publish(policy_subject(other.job), encode(msgspec.structs.replace(other, version=1)))
+        await bus.publish(subjects.policy_committed(other.job), encode(msgspec.structs.replace(other, version=1)))
 
         async def recorded() -> bool:
             record = await record_of(bus, other.job)

@@ -18,11 +18,10 @@ import nats.errors
 import pytest
 from structlog.testing import capture_logs
 
-from marlaas.platform import api
+from marlaas.platform import api, subjects
 from marlaas.platform.adapters import init_adapter, write_adapter
 from marlaas.basemodel import builtin_model_dir
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
-from marlaas.platform.commits import policy_subject
 from marlaas.platform.config import load_config
 from marlaas.platform.events import (
     JOB_RECORD, CommittedVersion, EvalPoint, JobEvaluated, JobFailureReported, JobRecord, JobSpec, JobState,
@@ -91,21 +90,21 @@ async def test_poison_on_each_manager_consumer_is_terminated_logged_and_the_rest
         "manager-failures": ("JOBS", "marlaas.job.failure.>", manager.on_job_event),
         "manager-evals": ("JOBS", "marlaas.job.eval.>", manager.on_job_event),
     }
-    subjects = {"manager": (policy_subject(served.id), "policy", "policy.committed"),
+    poisoned = {"manager": (subjects.policy_committed(served.id), "policy", "policy.committed"),
                 "manager-failures": (f"marlaas.job.failure.{failing.id}", "job", "job.failure"),
                 "manager-evals": (f"marlaas.job.eval.{served.id}", "job", "job.eval")}
     with capture_logs() as logs:
         tasks = [asyncio.create_task(bus.consume(stream, durable, subject, handler, stop=stop))
                  for durable, (stream, subject, handler) in consumers.items()]
         sent: dict[tuple[str, int], str] = {}  # (consumer, sequence) -> the reason expected
-        for durable, (subject, codec, kind) in subjects.items():
+        for durable, (subject, codec, kind) in poisoned.items():
             for data, reason in poison_for(kind, served.id).values():
                 seq = (await bus.js.publish(subject, data)).seq
                 sent[(durable, seq)] = f"malformed {codec} event ({len(data)} bytes): "
         # then the real thing on each, one of them from a newer writer (schema 7, a field this
         # reader lacks), which old readers still read
         adapter = await asyncio.to_thread(write_adapter, file_store, served.id, 1, b"{}", b"w")
-        await bus.publish(policy_subject(served.id), encode(PolicyCommitted(
+        await bus.publish(subjects.policy_committed(served.id), encode(PolicyCommitted(
             job=served.id, version=1, adapter=adapter, metrics={"reward/mean": 0.25}, committed_at=time.time())))
         await bus.publish(f"marlaas.job.eval.{served.id}", encode(JobEvaluated(job=served.id, version=1, score=0.5)))
         newer = {**msgspec.to_builtins(JobFailureReported(job=failing.id, service="trainer", reason="loss is nan")),
@@ -190,29 +189,29 @@ async def _version(bus: Bus, job: str, version: int) -> CommittedVersion | None:
 
 
 async def test_bad_api_requests_get_a_readable_error_and_the_manager_keeps_serving(bus, manager):
-    for subject, handler in ((api.SUBMIT, manager.submit), (api.STATUS, manager.status),
-                             (api.CANCEL, manager.cancel)):
+    for subject, handler in ((subjects.API_SUBMIT, manager.submit), (subjects.API_STATUS, manager.status),
+                             (subjects.API_CANCEL, manager.cancel)):
         await bus.serve(subject, "manager", _reply(handler))
 
     async def ask(subject: str, data: bytes) -> dict:
         return json.loads(await bus.request(subject, data, timeout_s=10))
 
-    submit = await ask(api.SUBMIT, b"\xff\x00 not JSON")
+    submit = await ask(subjects.API_SUBMIT, b"\xff\x00 not JSON")
     assert submit["code"] == api.INVALID and "JSON is malformed" in submit["error"]
-    assert (await ask(api.SUBMIT, b"[1, 2]"))["error"].startswith("invalid job: Expected `object`, got `array`")
-    assert (await ask(api.STATUS, b"\xff"))["error"].startswith("malformed request: JSON is malformed")
-    cancel = await ask(api.CANCEL, json.dumps({"job": 5}).encode())
+    assert (await ask(subjects.API_SUBMIT, b"[1, 2]"))["error"].startswith("invalid job: Expected `object`, got `array`")
+    assert (await ask(subjects.API_STATUS, b"\xff"))["error"].startswith("malformed request: JSON is malformed")
+    cancel = await ask(subjects.API_CANCEL, json.dumps({"job": 5}).encode())
     assert cancel["error"] == "malformed request: Expected `str`, got `int` - at `$.job`"
 
     # oversized: a 4 MB submission reaches the manager and is refused for what it is; one over the
     # broker's max_payload never leaves the client
-    huge = await ask(api.SUBMIT, submission("x" * (4 << 20)))
+    huge = await ask(subjects.API_SUBMIT, submission("x" * (4 << 20)))
     assert huge["code"] == api.INVALID and huge["error"] == "name must be at most 64 characters"
     with pytest.raises(nats.errors.MaxPayloadError):
-        await bus.request(api.SUBMIT, submission("x" * (bus.nc.max_payload + 1)), timeout_s=10)
+        await bus.request(subjects.API_SUBMIT, submission("x" * (bus.nc.max_payload + 1)), timeout_s=10)
 
     assert await bus.kv_keys(JOBS_BUCKET) == []  # none of it created anything
-    accepted = await ask(api.SUBMIT, submission("fine"))
+    accepted = await ask(subjects.API_SUBMIT, submission("fine"))
     assert accepted["id"].startswith("acme.fine-") and not accepted.get("error")
 
 

@@ -22,10 +22,10 @@ import msgspec
 import psutil
 import pytest
 
+from marlaas.platform import subjects
 from marlaas.platform.adapters import init_adapter, write_adapter
 from marlaas.basemodel import builtin_model_dir
 from marlaas.platform.bus import JOBS_BUCKET, SAMPLED_BUCKET, VERSIONS_BUCKET, Bus
-from marlaas.platform.commits import policy_subject
 from marlaas.platform.config import load_config
 from marlaas.stack.embedded_nats import EmbeddedNats
 from marlaas.platform.events import (
@@ -157,7 +157,7 @@ async def announce(bus: Bus, committed: CommittedVersion, **extra) -> int:
     """Publish policy-committed for ``committed`` (plus ``extra`` fields); return its stream sequence."""
     event = PolicyCommitted(job=committed.job, version=committed.version, adapter=committed.adapter,
                             committed_at=committed.committed_at)
-    return await publish_raw(bus, policy_subject(committed.job),
+    return await publish_raw(bus, subjects.policy_committed(committed.job),
                              json.dumps({**msgspec.to_builtins(event), **extra}).encode())
 
 
@@ -237,7 +237,7 @@ async def test_an_unanswered_reward_request_is_retried_and_the_batch_published_o
     await settled(bus, job.job)
     assert len(watch.batches[job.job]) == 1
     assert job.job not in watch.failures and seq not in watch.terminated
-    assert log_lines(rollout, "handler failed; will retry", policy_subject(job.job), "TimeoutError")
+    assert log_lines(rollout, "handler failed; will retry", subjects.policy_committed(job.job), "TimeoutError")
 
 
 async def test_an_undecodable_reward_reply_fails_only_that_job(rollout, bus, store, env):
@@ -318,7 +318,7 @@ async def test_poison_announcements_are_terminated_with_a_reason_and_the_service
         "empty": (b"", "malformed policy event (0 bytes)"),
     }
     watch = await Watch.start(bus)
-    seqs = {name: await publish_raw(bus, policy_subject(job.job), data) for name, (data, _) in poison.items()}
+    seqs = {name: await publish_raw(bus, subjects.policy_committed(job.job), data) for name, (data, _) in poison.items()}
     await publish_raw(bus, f"marlaas.job.state.{job.job}", b"\xff not a state change")  # its plain subscription
     # a newer writer's announcement (a schema this reader does not know, with a field it lacks)
     # is still read: wire structs accept unknown fields, so readers can be upgraded last

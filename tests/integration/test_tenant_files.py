@@ -18,7 +18,7 @@ import msgspec
 import pytest
 import uvicorn
 
-from marlaas.platform import api
+from marlaas.platform import subjects
 from marlaas.platform.bus import JOBS_BUCKET
 from marlaas.platform.config import load_config
 from marlaas.platform.events import JOB_RECORD, RewardItem, RewardRequest
@@ -48,7 +48,7 @@ def config(tmp_path):
 async def app(bus, file_store, config):
     """The gateway app, with the manager answering submissions."""
     manager = await asyncio.to_thread(Manager, bus, file_store, config)
-    await bus.serve(api.SUBMIT, "manager", _reply(manager.submit))
+    await bus.serve(subjects.API_SUBMIT, "manager", _reply(manager.submit))
     return create_app(Gateway(bus, file_store, config, StackMetrics()))
 
 

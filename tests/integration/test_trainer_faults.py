@@ -28,11 +28,10 @@ from safetensors.torch import load as load_safetensors
 from structlog.testing import capture_logs
 
 import services.trainer.service as trainer_service
-from marlaas.platform import api
+from marlaas.platform import api, subjects
 from marlaas.platform.adapters import init_adapter, read_adapter, write_adapter
 from marlaas.basemodel import builtin_model_dir
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery
-from marlaas.platform.commits import policy_subject
 from marlaas.platform.config import load_config
 from marlaas.platform.events import (
     COMMITTED, JOB, JOB_RECORD, POLICY, TRAJECTORY, CommittedVersion, GrpoSettings, JobRecord, JobSpec, JobState,
@@ -107,7 +106,7 @@ async def read_v0(bus: Bus, job: str) -> CommittedVersion:
 
 
 async def announced(bus: Bus, job: str) -> list[int]:
-    return [POLICY.decode(data).version for data in await bus.read_all("POLICY", policy_subject(job))]
+    return [POLICY.decode(data).version for data in await bus.read_all("POLICY", subjects.policy_committed(job))]
 
 
 async def trained(bus: Bus, job: str) -> list[int]:

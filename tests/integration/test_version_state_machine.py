@@ -44,17 +44,16 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
 import services.trainer.service as trainer_service
-from marlaas.platform import api
+from marlaas.platform import api, subjects
 from marlaas.platform.audit import audit_training
 from marlaas.basemodel import builtin_model_dir
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery
-from marlaas.platform.commits import announce, policy_subject, read_job
+from marlaas.platform.commits import announce, read_job
 from marlaas.platform.config import load_config
 from marlaas.platform.events import (
     COMMITTED, JOB_RECORD, METRIC, POLICY, TRAJECTORY, JobState, Sample, TrajectoryBatch, encode,
 )
 from marlaas.platform.store import FileStore
-from marlaas.platform.telemetry import span_subject
 from services.manager.service import Manager
 from services.rollout.announcements import Reaction, plan_announcement
 from services.rollout.service import publish_batch, record_sampled, sampled_version
@@ -215,7 +214,7 @@ def machine_over(world: World) -> type[RuleBasedStateMachine]:
             self.consumers = [("POLICY", f"rollout-{self.n}"), ("POLICY", f"audit-{self.n}"),
                               ("METRICS", f"spans-{self.n}"), ("TRAJ", f"trainers-{self.n}")]
             self.subs = [run(self.subscribe(stream, durable, subject)) for (stream, durable), subject in zip(
-                self.consumers, (policy_subject(self.job), policy_subject(self.job), span_subject(self.job),
+                self.consumers, (subjects.policy_committed(self.job), subjects.policy_committed(self.job), subjects.span(self.job),
                                  f"marlaas.trajectory.ready.{self.job}"))]
             self.rollout_sub, self.audit_sub, self.spans_sub, self.trainers_sub = self.subs
             self.trainer_a = Trainer(bus, world.store, world.policy_a)
@@ -278,7 +277,7 @@ def machine_over(world: World) -> type[RuleBasedStateMachine]:
                 run(announce(bus, COMMITTED.decode(entry.value)))
                 return
             raw = data.draw(st.sampled_from(self.announcements), label="announcement")
-            run(bus.publish(policy_subject(self.job), json.dumps({**json.loads(raw), "copy": True}).encode()))
+            run(bus.publish(subjects.policy_committed(self.job), json.dumps({**json.loads(raw), "copy": True}).encode()))
 
         def trainer_a_trains_the_next_batch(self, data) -> None:
             if not self.a_down:

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from marlaas.platform import api
+from marlaas.platform import subjects
 from marlaas.platform.bus import JOBS_BUCKET
 from marlaas.platform.config import load_config
 from marlaas.platform.events import JOB_RECORD, JobRecord, JobSpec, JobState, encode
@@ -58,7 +58,7 @@ async def test_a_deeply_nested_job_is_a_400_that_names_the_limit(acme, bus, body
 
 async def test_a_version_in_another_scripts_digits_pins_nothing(acme, bus, file_store, config):
     manager = await asyncio.to_thread(Manager, bus, file_store, config)
-    await bus.serve(api.PIN, "manager", _reply(lambda data: pin_version(manager, data)))
+    await bus.serve(subjects.API_PIN, "manager", _reply(lambda data: pin_version(manager, data)))
     spec = JobSpec(id="acme.job-1a2b3c", tenant="acme", name="job", task="addition", steps=9,
                    submitted_at=time.time())
     await bus.kv_create(JOBS_BUCKET, spec.id, encode(JobRecord(spec=spec, state=JobState.RUNNING, version=5)))

@@ -116,3 +116,19 @@ def test_the_platforms_data_files_name_no_task():
     assert not {m for m in GRAPH["marlaas.platform.files"] if m.startswith("marlaas.tasks")}
     assert not {m for name, deps in GRAPH.items() if name.startswith("marlaas.platform")
                 for m in deps if m.startswith("marlaas.tasks")}
+
+
+def test_subjects_and_limits_have_one_home_each():
+    """Every NATS subject is built by ``marlaas.platform.subjects`` (the broker's permission
+    patterns, ``stack/broker_auth.py``, aside); the job limits live in ``marlaas.platform.limits``."""
+    import re
+
+    subject = re.compile(r"""["']marlaas\.(job|policy|trajectory|span|tinker|api|registry|tool|reward)\.""")
+    sources = [p for top in ("libs", "services") for p in (LIBS.parent / top).rglob("*.py")]
+    home = {PKG / "platform" / "subjects.py", PKG / "stack" / "broker_auth.py"}
+    strays = [f"{p.relative_to(LIBS.parent)}:{n}" for p in sources if p not in home
+              for n, line in enumerate(p.read_text().splitlines(), 1) if subject.search(line)]
+    assert not strays, f"subjects written out of marlaas.platform.subjects: {strays}"
+    defined = re.compile(r"^(MAX_STEPS|MAX_VERSION|MAX_SEED|MAX_JOB_SEED|MAX_SAMPLING_SEED|MAX_ERROR_CHARS)\s*=", re.M)
+    homes = [str(p.relative_to(LIBS.parent)) for p in sources if defined.search(p.read_text())]
+    assert homes == ["libs/marlaas/platform/limits.py"], homes

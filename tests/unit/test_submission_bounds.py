@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from marlaas.platform import api, limits
+from marlaas.platform import limits
 from marlaas.platform.api import SubmitError, parse_submission
 from marlaas.platform.config import load_config
 from marlaas.platform.store import FileStore

@@ -66,7 +66,7 @@ def test_the_linear_scanner_measures_json_nesting_exactly(value):
 
 TOKENIZER = AutoTokenizer.from_pretrained(builtin_model_dir())
 FMT = ConversationFormat(TOKENIZER)
-LIMITS = EpisodeLimits(max_new_tokens=96, max_tool_calls=3, max_observation_tokens=64, max_total_tokens=4_000,
+LIMITS = EpisodeLimits(max_new_tokens=2_000, max_tool_calls=3, max_observation_tokens=64, max_total_tokens=4_000,
                        tool_timeout_s=1.0)
 
 
@@ -83,6 +83,9 @@ class ReplayedTurns:
         ids = TOKENIZER(text, add_special_tokens=False)["input_ids"]
         called = bool(stop) and text.endswith(CALL_CLOSE)
         ids = ids if called else ids + [TOKENIZER.eos_token_id]
+        if len(ids) > max_tokens:  # as the engine does: the turn runs out of its budget
+            ids = ids[:max_tokens]
+            return Completion(ids, [-0.5] * len(ids), TOKENIZER.decode(ids), "length")
         return Completion(ids, [-0.5] * len(ids), text, "stop", CALL_CLOSE if called else None)
 
 
@@ -97,6 +100,6 @@ def test_the_episode_loop_survives_any_sequence_of_turns(turns):
     box = ToolBox("acme.job-1", ["acme.echo"], echo_tool, LIMITS.tool_timeout_s)
     episode = asyncio.run(run_episode(ReplayedTurns(turns), FMT, FMT.prompt_ids("q=", []), tools=box,
                                       limits=LIMITS, temperature=1.0, lora=None, seed=lambda turn: turn))
-    assert episode.end_reason in ("answer", "max_tool_calls", "context_full")
+    assert episode.end_reason in ("answer", "length", "max_tool_calls", "context_full")
     assert episode.tool_calls == episode.tool_errors + episode.tool_successes <= LIMITS.max_tool_calls
     assert len(episode) <= LIMITS.max_total_tokens

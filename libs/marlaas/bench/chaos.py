@@ -26,6 +26,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
+from marlaas.platform import subjects
 from marlaas.platform.audit import audit_training
 from marlaas.platform.bus import Bus
 from marlaas.platform.nats_client import BusClient
@@ -62,7 +63,7 @@ async def _evidence(url: str, ids: list[str]):
     bus = await Bus.connect(url)
     try:
         spans = [s for s in await read_spans(bus) if s.job in ids]
-        announced = [POLICY.decode(data) for data in await bus.read_all("POLICY", "marlaas.policy.committed.>")]
+        announced = [POLICY.decode(data) for data in await bus.read_all("POLICY", subjects.policy_committed())]
         return spans, [a for a in announced if a.job in ids]
     finally:
         await bus.close()

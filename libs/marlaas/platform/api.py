@@ -1,12 +1,12 @@
 """The manager's user API over NATS request/reply, and the job-submission format.
 
-Subjects: ``marlaas.api.submit`` / ``.status`` / ``.cancel`` / ``.delete`` / ``.pin`` /
-``.ping``, and ``.tinker_session`` / ``.tinker_model`` (the gateway's Tinker API records a session
-or a model through the manager, which counts it against the tenant's quota under the same lock as
-job submissions: gateway replicas cannot race past it). Only platform users can publish on
-``marlaas.api.*``: a tenant's NATS account has no import of it.
-Replies carry ``error`` (for people) and ``code`` (for programs: the HTTP
-gateway maps it to a status). A submission is the
+Subjects (``marlaas.platform.subjects.API_*``): ``marlaas.api.submit`` / ``.status`` /
+``.cancel`` / ``.delete`` / ``.pin`` / ``.ping``, and ``.tinker_session`` / ``.tinker_model`` (the
+gateway's Tinker API records a session or a model through the manager, which counts it against
+the tenant's quota under the same lock as job submissions: gateway replicas cannot race past
+it). Only platform users can publish on ``marlaas.api.*``: a tenant's NATS account has no import
+of it. Replies carry ``error`` (for people) and ``code`` (for programs: the HTTP gateway maps it
+to a status). A submission is the
 same whether it comes from a TOML job file, CLI flags or the SDK: a
 :class:`SubmitRequest`, checked for unknown keys (a typo fails loudly) and then
 validated by the manager against the running stack.
@@ -20,15 +20,6 @@ import msgspec
 
 from marlaas.platform.events import EvalPoint, GrpoSettings, JobRecord, LoraSettings
 from marlaas.platform.tinker import TinkerModel, TinkerSession
-
-SUBMIT = "marlaas.api.submit"
-STATUS = "marlaas.api.status"
-CANCEL = "marlaas.api.cancel"
-DELETE = "marlaas.api.delete"
-PIN = "marlaas.api.pin"
-PING = "marlaas.api.ping"  # the manager answers: readiness checks, nothing read
-TINKER_SESSION = "marlaas.api.tinker_session"
-TINKER_MODEL = "marlaas.api.tinker_model"
 
 # reply codes: what kind of refusal an ``error`` is
 INVALID = "invalid"  # the request itself is wrong (a submission's field, a version out of range)

@@ -38,6 +38,7 @@ from nats.js.api import (
     StreamConfig,
 )
 
+from marlaas.platform import subjects
 from marlaas.platform.events import EventDecodeError
 from marlaas.platform.nats_access import redact_url, server_urls, url_credentials
 
@@ -95,11 +96,11 @@ class StreamSpec:
 
 
 STREAMS = (
-    StreamSpec("JOBS", ["marlaas.job.>"]),
-    StreamSpec("POLICY", ["marlaas.policy.>"]),
-    StreamSpec("TRAJ", ["marlaas.trajectory.>"], work_queue=True),
-    StreamSpec("METRICS", ["marlaas.span.>"], max_age_s=7 * 24 * 3600),
-    StreamSpec("TINKER", ["marlaas.tinker.>"], work_queue=True),  # Tinker clients' requests
+    StreamSpec("JOBS", [subjects.JOBS_STREAM]),
+    StreamSpec("POLICY", [subjects.POLICY_STREAM]),
+    StreamSpec("TRAJ", [subjects.TRAJ_STREAM], work_queue=True),
+    StreamSpec("METRICS", [subjects.METRICS_STREAM], max_age_s=7 * 24 * 3600),
+    StreamSpec("TINKER", [subjects.TINKER_STREAM], work_queue=True),  # Tinker clients' requests
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from marlaas.platform import subjects
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
 from marlaas.platform.events import (
     COMMITTED,
@@ -19,10 +20,6 @@ from marlaas.platform.events import (
 from marlaas.platform.limits import cut
 
 
-def policy_subject(job: str) -> str:
-    return f"marlaas.policy.committed.{job}"
-
-
 async def announce(bus: Bus, committed: CommittedVersion) -> bool:
     """Publish policy-committed for ``committed`` with ``Nats-Msg-Id = <job>:<version>``.
 
@@ -32,7 +29,7 @@ async def announce(bus: Bus, committed: CommittedVersion) -> bool:
     event = PolicyCommitted(job=committed.job, version=committed.version, adapter=committed.adapter,
                             batch_id=committed.batch_id, metrics=committed.metrics,
                             committed_at=committed.committed_at)
-    return await bus.publish(policy_subject(committed.job), encode(event),
+    return await bus.publish(subjects.policy_committed(committed.job), encode(event),
                              msg_id=f"{committed.job}:{committed.version}")
 
 
@@ -57,10 +54,10 @@ async def read_job(bus: Bus, job: str) -> JobSnapshot | None:
 async def report_warning(bus: Bus, job: str, service: str, key: str, warning: str) -> None:
     """Show ``warning`` in ``job``'s status under ``key`` (an empty one clears it)."""
     event = JobWarningReported(job=job, service=service, key=key, warning=warning, at=time.time())
-    await bus.publish(f"marlaas.job.warning.{job}", encode(event))
+    await bus.publish(subjects.job_warning(job), encode(event))
 
 
 async def report_failure(bus: Bus, job: str, service: str, reason: str, version: int = -1) -> None:
     """Tell the manager that ``job`` (and only it) failed in ``service``; it marks the job failed."""
     event = JobFailureReported(job=job, service=service, reason=cut(reason), version=version)
-    await bus.publish(f"marlaas.job.failure.{job}", encode(event))
+    await bus.publish(subjects.job_failure(job), encode(event))

@@ -1,14 +1,21 @@
-"""Bounds on text the platform stores from tenants' code and input (issue 35).
+"""The platform's bounds on what a job and a tenant's input may be, one home each (issue 36).
 
-A tenant's reward, tool or request can fail with any text; what is kept of it (a job's failure
-reason, a queued note, a Tinker future's error, a failure event on the JOBS stream) is read by
-every listing, the dashboard and ``/metrics``, so it is cut to one bound here, saying how much
-was cut.
+Error texts (issue 35): a tenant's reward, tool or request can fail with any text; what is kept
+of it (a job's failure reason, a queued note, a Tinker future's error, a failure event on the
+JOBS stream) is read by every listing, the dashboard and ``/metrics``, so it is cut to one bound
+here, saying how much was cut.
+
+Per-tenant and per-stack bounds that an operator sets are in ``marlaas.platform.config``;
+docs/tenants.md lists them all.
 """
 
 from __future__ import annotations
 
 MAX_ERROR_CHARS = 2_000  # a failure reason, note or error text, as stored or published
+MAX_STEPS = 100_000  # a job's steps, so its versions are 0 .. MAX_STEPS (the gateway checks version numbers by it)
+MAX_JOB_SEED = 2**63 - 1  # a job's seed: a signed 64-bit integer, as numpy and torch take it
+MAX_SAMPLING_SEED = 2**31  # a Tinker sampling seed is 0 .. MAX_SAMPLING_SEED - 1 (the engine's generators
+# overflow past 64 bits, and each of a request's samples takes seed + its index)
 
 
 def cut(text: str, limit: int = MAX_ERROR_CHARS) -> str:

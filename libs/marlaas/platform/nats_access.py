@@ -23,11 +23,6 @@ PLATFORM_ACCOUNT = "PLATFORM"
 BCRYPT_ROUNDS = 6
 
 
-def registry_subject(tenant: str) -> str:
-    """Where ``tenant``'s tool processes send their announcements (a platform service)."""
-    return f"marlaas.registry.{tenant}.announce"
-
-
 def bcrypt_hash(secret: str) -> str:
     """``secret``'s bcrypt hash in the ``$2a$`` form nats-server accepts as a password."""
     raw = secret.encode()

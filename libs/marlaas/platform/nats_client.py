@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from marlaas.platform import api
+from marlaas.platform import api, subjects
 from marlaas.platform.bus import Bus
 from nats.js.api import DeliverPolicy
 
@@ -56,21 +56,21 @@ class BusClient:
             await queue.put(msg.data)
 
         subs = [
-            await self.bus.js.subscribe(f"marlaas.policy.committed.{job}", cb=put, ordered_consumer=True,
+            await self.bus.js.subscribe(subjects.policy_committed(job), cb=put, ordered_consumer=True,
                                         deliver_policy=deliver),
-            await self.bus.js.subscribe(f"marlaas.job.state.{job}", cb=put, ordered_consumer=True,
+            await self.bus.js.subscribe(subjects.job_state(job), cb=put, ordered_consumer=True,
                                         deliver_policy=deliver),
-            await self.bus.nc.subscribe(f"marlaas.trajectory.ready.{job}", cb=put),
+            await self.bus.nc.subscribe(subjects.trajectory_ready(job), cb=put),
         ]
         seen_version, final_version = -1, None  # the two streams interleave: finish after both ends
         try:
             while final_version is None or seen_version < final_version:
                 subject, data = await queue.get(), await queue.get()
-                if subject.startswith("marlaas.policy."):
+                if subject.startswith(subjects.policy_committed("")):
                     event = POLICY.decode(data)
                     seen_version = max(seen_version, event.version)
                     yield event
-                elif subject.startswith("marlaas.trajectory."):
+                elif subject.startswith(subjects.trajectory_ready("")):
                     yield TRAJECTORY.decode(data)
                 else:
                     event = JOB.decode(data)
@@ -113,14 +113,14 @@ class BusClient:
         if self.tenant and "tenant" not in job:
             job = {**job, "tenant": self.tenant}
         api.parse_submission(dict(job))  # fail fast, before the round trip
-        return (await self._call(api.SUBMIT, job, api.SubmitReply)).id
+        return (await self._call(subjects.API_SUBMIT, job, api.SubmitReply)).id
 
     async def status(self, job: str = "") -> list[api.JobView]:
-        reply = await self._call(api.STATUS, api.StatusRequest(job=job, tenant=self.tenant), api.StatusReply)
+        reply = await self._call(subjects.API_STATUS, api.StatusRequest(job=job, tenant=self.tenant), api.StatusReply)
         return reply.jobs
 
     async def cancel(self, job: str) -> str:
-        return (await self._call(api.CANCEL, api.CancelRequest(job=job, tenant=self.tenant),
+        return (await self._call(subjects.API_CANCEL, api.CancelRequest(job=job, tenant=self.tenant),
                                  api.CancelReply)).state
 
     async def wait(self, jobs: list[str], timeout_s: float = 3600.0, poll_s: float = 1.0,

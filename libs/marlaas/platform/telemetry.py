@@ -13,6 +13,7 @@ import time
 
 import structlog
 
+from marlaas.platform import subjects
 from marlaas.platform.bus import Bus
 from marlaas.platform.events import Span, encode
 
@@ -20,10 +21,6 @@ log = structlog.get_logger("marlaas.platform.telemetry")
 
 
 UTILIZATION_JOB = "_rollout"  # rollout's engine / tool utilization spans are filed under this name
-
-
-def span_subject(job: str) -> str:
-    return f"marlaas.span.{job}"
 
 
 @contextlib.asynccontextmanager
@@ -35,7 +32,7 @@ async def span(bus: Bus, service: str, phase: str, job: str, version: int, **att
     record = Span(job=job, service=service, phase=phase, version=version, start=start,
                   end=time.time(), attrs=extra)
     try:
-        await bus.publish(span_subject(job), encode(record))
+        await bus.publish(subjects.span(job), encode(record))
     except Exception as exc:  # telemetry never fails the work it measures
         log.warning("span not recorded", job=job, phase=phase, error=repr(exc))
 
@@ -44,4 +41,4 @@ async def read_spans(bus: Bus, job: str = ">") -> list[Span]:
     """Every span recorded so far (for one job, or all), oldest first."""
     from marlaas.platform.events import METRIC
 
-    return [METRIC.decode(data) for data in await bus.read_all("METRICS", span_subject(job))]
+    return [METRIC.decode(data) for data in await bus.read_all("METRICS", subjects.span(job))]

@@ -25,12 +25,9 @@ from marlaas.platform.bus import TINKER_BUCKET, TINKER_FUTURES_BUCKET, Bus
 from marlaas.platform.events import Blob
 from marlaas.platform.limits import cut
 
-TRAIN_SUBJECT = "marlaas.tinker.train"  # .<tenant>: a model's requests, in the order they came
-SAMPLE_SUBJECT = "marlaas.tinker.sample"  # .<tenant>: sampling requests, any order
 INLINE_RESULT_BYTES = 512 * 1024  # a future's body above this goes to the object store
 SDK_VERSION = "0.38.0"  # the tinker SDK the API is written and tested against
 MAX_SAMPLES = 64  # num_samples of one asample
-MAX_SEED = 2**31  # sampling seeds are 0 .. MAX_SEED - 1 (the engine's generators overflow past 64 bits)
 LOSSES = ("cross_entropy", "importance_sampling", "ppo")  # served (services/trainer/tinker_losses.py)
 SESSION_LIVE_S = 120.0  # a session not heard from for this long no longer counts (the SDK beats every 10 s)
 SESSION_EXPIRE_S = 600.0  # ... and is ended after this long, its ephemeral weights deleted

@@ -53,6 +53,7 @@ from pathlib import Path
 import bcrypt
 import structlog
 
+from marlaas.platform import subjects
 from marlaas.platform.bus import Bus
 from marlaas.platform.nats_access import (
     PLATFORM_ACCOUNT,
@@ -60,7 +61,6 @@ from marlaas.platform.nats_access import (
     SERVICES_USER,
     bcrypt_hash,
     inbox_prefix,
-    registry_subject,
     sandbox_password,
 )
 from marlaas.platform.tenants import list_tenants, lock_tools_registry
@@ -98,7 +98,7 @@ class Permissions:
 
 def tenant_permissions(tenant: str) -> Permissions:
     """What a tenant's user may publish and subscribe to inside its own account."""
-    publish = (registry_subject(tenant),)
+    publish = (subjects.registry_announce(tenant),)
     subscribe = (
         f"marlaas.tool.{tenant}.>",
         f"marlaas.reward.{tenant}.>",
@@ -113,7 +113,7 @@ def sandbox_permissions() -> Permissions:
     """What the ``sandbox`` user may do in the platform's account: serve the python tool (queue
     group only), announce it through the registrar, hear the replies on its own inbox."""
     return Permissions(
-        publish=(registry_subject("builtin"),),
+        publish=(subjects.registry_announce("builtin"),),
         subscribe=(f"{SANDBOX_TOOL_SUBJECT} {SANDBOX_TOOL_QUEUE}", f"{inbox_prefix(SANDBOX_USER)}.>"),
     )
 

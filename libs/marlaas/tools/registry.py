@@ -38,9 +38,9 @@ import msgspec
 import nats.errors
 import structlog
 
+from marlaas.platform import subjects
 from marlaas.platform.bus import BUCKETS, TOOLS_BUCKET, Bus
 from marlaas.platform.events import Codec, EventDecodeError, ToolSpec, encode
-from marlaas.platform.nats_access import registry_subject
 from marlaas.tools.protocol import json_depth
 
 log = structlog.get_logger("marlaas.tools")
@@ -49,7 +49,6 @@ BUILTIN = "builtin"
 # rewards the env service serves for any task, named bare in a job spec: the LLM judge and the
 # answer matchers (marlaas.tasks.matchers)
 BUILTIN_REWARDS = ("judge", "exact", "contains", "numeric")
-SUBJECT_PREFIX = "marlaas.tool"
 HEARTBEAT_S = 10.0  # at most; a bucket with a short TTL gets beats every TTL / 3
 NAMESPACE_RE = re.compile(r"[a-z0-9][a-z0-9-]*")
 TOOL_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
@@ -103,7 +102,7 @@ def split_qualified(qualified: str) -> tuple[str, str]:
 
 def tool_subject(qualified: str) -> str:
     """The request subject of a tool: ``marlaas.tool.<namespace>.<tool>``."""
-    return f"{SUBJECT_PREFIX}.{qualify(qualified)}"
+    return f"{subjects.TOOL}.{qualify(qualified)}"
 
 
 def reward_subject(name: str) -> str:
@@ -112,11 +111,11 @@ def reward_subject(name: str) -> str:
     ``judge``; two tokens, so the env's per-task ``marlaas.reward.*`` does not match it), and
     ``marlaas.reward.<tenant>.<name>`` for a tenant's (``name`` = ``"<tenant>.<name>"``)."""
     if name in BUILTIN_REWARDS:
-        return f"marlaas.reward.{BUILTIN}.{name}"
+        return f"{subjects.REWARD}.{BUILTIN}.{name}"
     namespace, dot, reward = name.rpartition(".")
     if dot:
         check_namespace(namespace)
-    return f"marlaas.reward.{namespace}.{check_tool_name(reward)}" if dot else f"marlaas.reward.{name}"
+    return f"{subjects.REWARD}.{namespace}.{check_tool_name(reward)}" if dot else f"{subjects.REWARD}.{name}"
 
 
 # --- the registry ---------------------------------------------------------------------------
@@ -213,7 +212,7 @@ async def request_announce(bus: Bus, spec: ToolSpec, timeout_s: float = 10.0) ->
     responders" is retried meanwhile: a tenant account just added by a broker reload learns
     of the registrar a moment after it can connect.
     """
-    subject, deadline = registry_subject(spec.namespace), time.monotonic() + timeout_s
+    subject, deadline = subjects.registry_announce(spec.namespace), time.monotonic() + timeout_s
     while True:
         try:
             reply = await bus.nc.request(subject, encode(spec), timeout=timeout_s)
@@ -323,7 +322,7 @@ async def serve_registrar(bus: Bus):
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    return await bus.nc.subscribe(registry_subject("*"), queue="registry", cb=on_msg)
+    return await bus.nc.subscribe(subjects.registry_announce("*"), queue="registry", cb=on_msg)
 
 
 async def stop_heartbeat(task: asyncio.Task) -> None:

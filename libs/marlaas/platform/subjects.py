@@ -1,0 +1,106 @@
+"""Every NATS subject the platform speaks on, built in one place (issue 36).
+
+A job id (``<tenant>.<slug>-<hex>``) is the last tokens of a job's subjects, so one
+permission pattern per tenant covers them (``libs/marlaas/stack/broker_auth.py``). Each
+builder takes the job (or tenant); ``">"`` or ``"*"`` give the wildcard a consumer filters on.
+
+==========================================  ==========  =====================================
+subject                                     stream      from -> to
+==========================================  ==========  =====================================
+``marlaas.job.submitted.<job>``             JOBS        manager -> rollout, trainer
+``marlaas.job.state.<job>``                 JOBS        manager -> watchers
+``marlaas.job.eval.<job>``                  JOBS        rollout -> manager, watchers
+``marlaas.job.failure.<job>``               JOBS        any service -> manager
+``marlaas.job.warning.<job>``               JOBS        rollout -> manager
+``marlaas.policy.committed.<job>``          POLICY      trainer (manager: v0) -> rollout, manager
+``marlaas.trajectory.ready.<job>``          TRAJ        rollout -> trainer (work queue)
+``marlaas.span.<job>``                      METRICS     every service -> manager, gateway
+``marlaas.tinker.train.<tenant>``           TINKER      gateway -> trainer (work queue)
+``marlaas.tinker.sample.<tenant>``          TINKER      gateway -> rollout (work queue)
+``marlaas.api.<call>``                      (core)      gateway, CLI -> manager (request/reply)
+``marlaas.registry.<tenant>.announce``      (core)      a tenant's tool process -> env
+``marlaas.tool.<namespace>.<tool>``         (core)      rollout -> env, sandbox, tenants' tools
+``marlaas.reward.<task or ns.name>``        (core)      rollout -> env, tenants' rewards
+==========================================  ==========  =====================================
+"""
+
+from __future__ import annotations
+
+PREFIX = "marlaas"
+
+
+def job_submitted(job: str = ">") -> str:
+    return f"{PREFIX}.job.submitted.{job}"
+
+
+def job_state(job: str = ">") -> str:
+    return f"{PREFIX}.job.state.{job}"
+
+
+def job_eval(job: str = ">") -> str:
+    return f"{PREFIX}.job.eval.{job}"
+
+
+def job_failure(job: str = ">") -> str:
+    return f"{PREFIX}.job.failure.{job}"
+
+
+def job_warning(job: str = ">") -> str:
+    return f"{PREFIX}.job.warning.{job}"
+
+
+def job_events(job: str = ">") -> str:
+    """Every kind of event of ``job`` (``">"``: the whole JOBS stream)."""
+    return f"{PREFIX}.job.>" if job == ">" else f"{PREFIX}.job.*.{job}"
+
+
+def policy_committed(job: str = ">") -> str:
+    return f"{PREFIX}.policy.committed.{job}"
+
+
+def trajectory_ready(job: str = ">") -> str:
+    return f"{PREFIX}.trajectory.ready.{job}"
+
+
+def span(job: str = ">") -> str:
+    return f"{PREFIX}.span.{job}"
+
+
+TINKER_TRAIN = f"{PREFIX}.tinker.train"  # .<tenant>: each tenant's queue (platform.tenant_turns reads them)
+TINKER_SAMPLE = f"{PREFIX}.tinker.sample"
+
+
+def tinker_train(tenant: str = "*") -> str:
+    """A tenant's Tinker training requests, in the order they came."""
+    return f"{TINKER_TRAIN}.{tenant}"
+
+
+def tinker_sample(tenant: str = "*") -> str:
+    """A tenant's Tinker sampling requests, any order."""
+    return f"{TINKER_SAMPLE}.{tenant}"
+
+
+def registry_announce(tenant: str) -> str:
+    """Where ``tenant``'s tool processes send their announcements (env's registrar answers)."""
+    return f"{PREFIX}.registry.{tenant}.announce"
+
+
+TOOL = f"{PREFIX}.tool"  # .<namespace>.<tool>: marlaas.tools.registry.tool_subject builds and checks it
+REWARD = f"{PREFIX}.reward"  # .<task> or .<namespace>.<name>: marlaas.tools.registry.reward_subject
+
+# streams: what each holds (libs/marlaas/platform/bus.py creates them)
+JOBS_STREAM = job_events(">")
+POLICY_STREAM = f"{PREFIX}.policy.>"
+TRAJ_STREAM = f"{PREFIX}.trajectory.>"
+METRICS_STREAM = span(">")
+TINKER_STREAM = f"{PREFIX}.tinker.>"
+
+# the manager's request/reply API (a tenant's account imports none of it)
+API_SUBMIT = f"{PREFIX}.api.submit"
+API_STATUS = f"{PREFIX}.api.status"
+API_CANCEL = f"{PREFIX}.api.cancel"
+API_DELETE = f"{PREFIX}.api.delete"
+API_PIN = f"{PREFIX}.api.pin"
+API_PING = f"{PREFIX}.api.ping"  # the manager answers: readiness checks, nothing read
+API_TINKER_SESSION = f"{PREFIX}.api.tinker_session"
+API_TINKER_MODEL = f"{PREFIX}.api.tinker_model"
