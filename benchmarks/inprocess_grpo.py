@@ -46,7 +46,7 @@ from marlaas.platform.config import Config, load_config
 from marlaas.platform.events import GrpoSettings, JobSpec, TrajectoryBatch, encode
 from marlaas.tasks import Task, get_task
 from marlaas.tools import BUILTIN, Tool, qualify, tool_subject
-from marlaas.tools.sdk import answer_tool_call
+from marlaas.tools.serving import answer_tool_call
 from services.rollout.agent import ConversationFormat, EpisodeLimits, Request, ToolBox, run_episode
 from services.rollout.episode import episode_metrics
 from services.rollout.service import batch_seed, sample_seed

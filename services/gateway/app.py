@@ -316,7 +316,7 @@ UI_DIR = Path(__file__).parent / "ui"
 def create_app(gateway: Gateway) -> Litestar:
     """The ASGI app serving ``gateway``."""
     from services.gateway.files import FILE_ROUTES
-    from services.gateway.tinker import CHECKPOINT_ROUTES, TINKER_ROUTER
+    from services.gateway.tinker_api import CHECKPOINT_ROUTES, TINKER_ROUTER
     from services.gateway.views import JOB_ROUTES
 
     v1 = Router(path="/v1", route_handlers=[*JOB_ROUTES, *FILE_ROUTES, *CHECKPOINT_ROUTES],

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import structlog
 
-from marlaas.platform import api, subjects, tinker
+from marlaas.platform import api, subjects
+from marlaas.platform import tinker_records as tinker
 from marlaas.platform.bus import JOBS_BUCKET, SAMPLED_BUCKET, TINKER_BUCKET, VERSIONS_BUCKET, Bus
 from marlaas.platform.events import JOB_RECORD, JobRecord, JobSpec, JobState
 from marlaas.platform.store import ObjectStore
@@ -92,7 +93,7 @@ class LiveSessions:
         self._ids: dict[str, set[str]] | None = None
 
     async def count(self, tenant: str, now: float | None = None) -> int:
-        """``tenant``'s live sessions (``marlaas.platform.tinker.is_live``); finished ones leave the index."""
+        """``tenant``'s live sessions (``marlaas.platform.tinker_records.is_live``); finished ones leave the index."""
         now = time.time() if now is None else now
         if self._ids is None:
             self._ids = {}

@@ -21,7 +21,8 @@ from collections.abc import Callable
 import msgspec
 import structlog
 
-from marlaas.platform import api, limits, subjects, tinker
+from marlaas.platform import api, limits, subjects
+from marlaas.platform import tinker_records as tinker
 from marlaas.platform.adapters import init_adapter, write_adapter
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery, StaleRevision
 from marlaas.platform.commits import announce
@@ -679,7 +680,7 @@ async def run(rt: Runtime) -> None:
 
 
 async def sweep_tinker_sessions(bus, store, stop: asyncio.Event) -> None:
-    """End the Tinker sessions whose clients went silent (``marlaas.platform.tinker.sweep_sessions``)."""
+    """End the Tinker sessions whose clients went silent (``marlaas.platform.tinker_records.sweep_sessions``)."""
     while not stop.is_set():
         try:
             for session in await tinker.sweep_sessions(bus, store):

@@ -39,7 +39,7 @@ from services.rollout.engine import PolicyEngine
 from services.rollout.episode import Episode, episode_metrics, settle_truncated, to_score
 from services.rollout.liveness import Liveness
 from services.rollout.rounds import SyncRounds, round_members
-from services.rollout.tinker import serve_tinker
+from services.rollout.tinker_sampling import serve_tinker
 
 log = structlog.get_logger("rollout")
 SERVICE = "rollout"
@@ -456,7 +456,7 @@ async def run(rt: Runtime) -> None:
             rt.bus.consume("POLICY", "rollout", subjects.policy_committed(), rollout.handle,
                            stop=rt.stop, ack_wait_s=rt.config.rollout.ack_wait_s,
                            concurrency=rt.config.rollout.concurrency, on_give_up=rollout.give_up),
-            serve_tinker(rt, rollout),  # Tinker clients' asample, on the same engine (services/rollout/tinker.py)
+            serve_tinker(rt, rollout),  # Tinker clients' asample, on the same engine (services/rollout/tinker_sampling.py)
         )
     finally:
         watchdog.cancel()

@@ -374,7 +374,7 @@ class PolicyTrainer:
         torch.save(hot.optimizer.state_dict(), buf)
         return hot.config_json, weights, buf.getvalue()
 
-    # --- the Tinker API's primitives (services/trainer/tinker.py; call with ``lock`` held) ------
+    # --- the Tinker API's primitives (services/trainer/tinker_training.py; call with ``lock`` held) ------
 
     def target_logprobs(self, job: str, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """For each (tokens_T, targets_T) row, log p(targets_T[t] | tokens_T[:t+1]) under the job's

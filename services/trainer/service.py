@@ -31,7 +31,7 @@ from marlaas.platform.events import (
 from marlaas.platform.runtime import Runtime
 from marlaas.platform.store import ObjectStore
 from marlaas.platform.telemetry import span
-from services.trainer.tinker import run_tinker
+from services.trainer.tinker_training import run_tinker
 from services.trainer.policy import NonFiniteUpdate, PolicyTrainer, StepResult, torch_threads
 
 log = structlog.get_logger("trainer")
@@ -200,5 +200,5 @@ async def run(rt: Runtime) -> None:
     await asyncio.gather(
         rt.bus.consume("TRAJ", "trainer", subjects.trajectory_ready(), trainer.handle,
                        stop=rt.stop, ack_wait_s=rt.config.trainer.ack_wait_s, concurrency=1, on_give_up=trainer.give_up),
-        run_tinker(rt, policy),  # Tinker clients' requests, on the same policy (services/trainer/tinker.py)
+        run_tinker(rt, policy),  # Tinker clients' requests, on the same policy (services/trainer/tinker_training.py)
     )

@@ -18,7 +18,7 @@ from marlaas.basemodel import builtin_model_dir
 from marlaas.platform.events import TOOL, ToolResult, encode
 from marlaas.tools import tool
 from marlaas.tools.protocol import render_call
-from marlaas.tools.sdk import ToolError, serve_tools
+from marlaas.tools.serving import ToolError, serve_tools
 from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
 from services.rollout.engine import Completion
 

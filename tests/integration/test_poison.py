@@ -28,7 +28,7 @@ from marlaas.platform.events import (
     PolicyCommitted, Sample, TrajectoryBatch, TrajectoryReady, encode,
 )
 from marlaas.tools.registry import reward_subject
-from marlaas.tools.sdk import answer_reward_request, reward
+from marlaas.tools.serving import answer_reward_request, reward
 from polling import eventually
 from services.manager.service import Manager, _reply
 

@@ -35,7 +35,7 @@ from marlaas.platform.events import (
 from marlaas.stack.launcher import Stack
 from marlaas.platform.store import FileStore
 from marlaas.tools.registry import reward_subject
-from marlaas.tools.sdk import answer_reward_request, decode_reward_request, reward
+from marlaas.tools.serving import answer_reward_request, decode_reward_request, reward
 import polling
 from services.env.rewards import RewardBook
 

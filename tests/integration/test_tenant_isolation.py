@@ -26,7 +26,7 @@ from marlaas.platform.events import RewardItem, RewardRequest, ToolCall, ToolSpe
 from marlaas.stack.launcher import Stack
 from marlaas.platform.tenants import TenantError
 from marlaas.tools import registry, sdk
-from marlaas.tools.sdk import reward, serve_async, tool
+from marlaas.tools.serving import reward, serve_async, tool
 from tenant_admin import tenant_cli
 
 pytestmark = pytest.mark.timeout(60)

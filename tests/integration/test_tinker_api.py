@@ -28,14 +28,14 @@ import torch
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from marlaas.platform import tinker as wire  # noqa: E402
+from marlaas.platform import tinker_records as wire  # noqa: E402
 from marlaas.platform.bus import Bus  # noqa: E402
 from marlaas.platform.config import load_config  # noqa: E402
 from marlaas.platform.events import METRIC  # noqa: E402
 from marlaas.platform.store import open_store  # noqa: E402
 from marlaas.sdk import Client, NotFound, QuotaExceeded  # noqa: E402
 from marlaas.stack.launcher import SERVICES, Stack  # noqa: E402
-from services.gateway.tinker import POLL_S  # noqa: E402
+from services.gateway.tinker_api import POLL_S  # noqa: E402
 from tests.tenant_admin import tenant_cli_ok  # noqa: E402
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from marlaas.platform import tinker as wire
+from marlaas.platform import tinker_records as wire
 
 
 async def test_a_silent_session_is_ended_and_its_sampler_weights_deleted(bus, file_store):

@@ -104,7 +104,7 @@ def test_reading_the_tool_protocol_loads_no_bus():
 
     probe = ("import sys, marlaas.tools.protocol; "
              "print(sorted(m for m in sys.modules if m == 'nats' or m.startswith(('nats.', 'marlaas.platform.bus', "
-             "'marlaas.tools.sdk', 'marlaas.tools.registry'))))")
+             "'marlaas.tools.serving', 'marlaas.tools.registry'))))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
@@ -132,3 +132,16 @@ def test_subjects_and_limits_have_one_home_each():
     defined = re.compile(r"^(MAX_STEPS|MAX_VERSION|MAX_SEED|MAX_JOB_SEED|MAX_SAMPLING_SEED|MAX_ERROR_CHARS)\s*=", re.M)
     homes = [str(p.relative_to(LIBS.parent)) for p in sources if defined.search(p.read_text())]
     assert homes == ["libs/marlaas/platform/limits.py"], homes
+
+
+def test_the_tinker_files_and_the_sdks_are_named_by_role():
+    """Issue 36: four files were named ``tinker.py`` and two things "sdk"; each now says what it
+    does (gateway ``tinker_api.py``, trainer ``tinker_training.py``, rollout ``tinker_sampling.py``,
+    ``platform/tinker_records.py``; ``marlaas.sdk`` is the HTTP client, ``tools/serving.py`` serves tools)."""
+    root = LIBS.parent
+    names = [p.relative_to(root) for top in ("libs", "services") for p in (root / top).rglob("*.py")]
+    assert not [p for p in names if p.name in ("tinker.py", "sdk.py")], names
+    for path in ("services/gateway/tinker_api.py", "services/trainer/tinker_training.py",
+                 "services/rollout/tinker_sampling.py", "libs/marlaas/platform/tinker_records.py",
+                 "libs/marlaas/tools/serving.py", "libs/marlaas/sdk/http.py"):
+        assert (root / path).is_file(), path

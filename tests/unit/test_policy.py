@@ -138,7 +138,7 @@ def test_jobs_keep_separate_adapters(base_dir, v0):
 
 
 def test_target_logprobs_of_padded_rows_are_each_rows_own_and_a_failed_requests_gradients_undo(base_dir, v0):
-    """The Tinker API's scoring (services/trainer/tinker.py): rows of different lengths in one
+    """The Tinker API's scoring (services/trainer/tinker_training.py): rows of different lengths in one
     right-padded pass score as they do alone; gradients saved before a request come back after it."""
     trainer = PolicyTrainer(base_dir)
     trainer.load("tinker/m", 0, *v0, None, SETTINGS)

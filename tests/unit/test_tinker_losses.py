@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from marlaas.platform import tinker as wire
+from marlaas.platform import tinker_records as wire
 from services.trainer.tinker_losses import LossInputError, check_loss, datum_loss
 
 

@@ -11,7 +11,7 @@ from marlaas.platform.config import ConfigError, load_config
 from marlaas.platform.events import TOOL, RewardItem, RewardRequest, ToolCall, ToolResult, encode
 from marlaas.tools import DEFAULT_CORPUS, ToolError, ToolNameError, qualify, reward, tool, tool_subject
 from marlaas.tools.registry import reward_subject
-from marlaas.tools.sdk import answer_reward_request, answer_tool_call, tool_output
+from marlaas.tools.serving import answer_reward_request, answer_tool_call, tool_output
 from services.env.tools import calculator_tool, search_tool
 from services.env.tools.calculator import CalculatorError, calculate
 from services.env.tools.latency import InjectedLatency

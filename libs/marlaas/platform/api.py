@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from marlaas.platform.events import EvalPoint, GrpoSettings, JobRecord, LoraSettings
-from marlaas.platform.tinker import TinkerModel, TinkerSession
+from marlaas.platform.tinker_records import TinkerModel, TinkerSession
 
 # reply codes: what kind of refusal an ``error`` is
 INVALID = "invalid"  # the request itself is wrong (a submission's field, a version out of range)

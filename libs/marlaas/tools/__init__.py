@@ -15,7 +15,7 @@ from pathlib import Path
 _EXPORTS = {
     "marlaas.tools.registry": ("BUILTIN", "ToolNameError", "announce_tool", "keep_announced", "list_tools",
                                "qualify", "read_tool", "reward_subject", "tool_subject"),
-    "marlaas.tools.sdk": ("RewardFunction", "ServedTools", "Tool", "ToolError", "reward", "serve", "serve_async",
+    "marlaas.tools.serving": ("RewardFunction", "ServedTools", "Tool", "ToolError", "reward", "serve", "serve_async",
                           "serve_tools", "tool"),
 }
 _SOURCE = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -1,6 +1,6 @@
 """The Tinker API's state and work on the bus: sessions, models, samplers, checkpoints, futures.
 
-The gateway serves Tinker's HTTP API (``services/gateway/tinker.py``); the work is done by the
+The gateway serves Tinker's HTTP API (``services/gateway/tinker_api.py``); the work is done by the
 same services as a job's: the trainer takes a model's training requests from the work queue
 ``marlaas.tinker.train.<tenant>`` in order, rollout takes sampling requests from
 ``marlaas.tinker.sample.<tenant>`` and runs them on the shared engine. Whoever finishes a request

@@ -3,7 +3,7 @@
 Point a script at it with ``TINKER_BASE_URL=http://<gateway>/tinker`` and
 ``TINKER_API_KEY=tml-<tenant token>`` (``marlaas tenant add NAME --json`` prints the key). The
 gateway keeps no state: it checks the key's tenant and the ids' owner, records sessions, models
-and samplers in the ``tinker`` bucket, and puts the work on the bus (``marlaas.platform.tinker``),
+and samplers in the ``tinker`` bucket, and puts the work on the bus (``marlaas.platform.tinker_records``),
 where the trainer and rollout do it and write each request's future. Another tenant's session,
 model, sampler, checkpoint or future answers like a missing one.
 
@@ -29,7 +29,7 @@ from litestar.di import Provide
 from tinker.proto import tinker_public_pb2 as pb
 
 from marlaas.platform import api, limits, subjects
-from marlaas.platform import tinker as wire
+from marlaas.platform import tinker_records as wire
 from marlaas.platform.adapters import read_adapter
 from marlaas.platform.store import ObjectNotFound
 from marlaas.platform.tenants import TenantRecord, authenticate, tinker_api_key

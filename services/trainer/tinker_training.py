@@ -32,7 +32,8 @@ import structlog
 import torch
 from tinker.proto import tinker_public_pb2 as pb
 
-from marlaas.platform import subjects, tinker as wire
+from marlaas.platform import subjects
+from marlaas.platform import tinker_records as wire
 from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE, init_adapter, read_adapter
 from marlaas.platform.bus import Bus, Delivery, PoisonMessage
 from marlaas.platform.events import GrpoSettings, LoraSettings

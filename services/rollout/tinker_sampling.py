@@ -27,7 +27,7 @@ import structlog
 from tinker.proto import tinker_public_pb2 as pb
 
 from marlaas.platform import limits, subjects
-from marlaas.platform import tinker as wire
+from marlaas.platform import tinker_records as wire
 from marlaas.platform.adapters import materialize
 from marlaas.platform.bus import Delivery, PoisonMessage
 from marlaas.platform.events import Blob
