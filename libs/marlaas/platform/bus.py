@@ -577,7 +577,7 @@ class Bus:
                 failures = refused = 0
                 for msg in msgs:
                     task = asyncio.create_task(
-                        self._handle(Delivery(msg), handler, retry_delay_s, max_deliver, on_give_up, slots)
+                        settle(Delivery(msg), handler, retry_delay_s, max_deliver, on_give_up, slots)
                     )
                     running.add(task)
                     task.add_done_callback(running.discard)
@@ -608,32 +608,36 @@ class Bus:
         except Exception as exc:  # no meta leader yet: look again after the next refusals
             log.info("consumer check failed", stream=stream, durable=config.durable_name, error=repr(exc))
 
-    @staticmethod
-    async def _handle(
-        delivery: Delivery, handler: Handler, retry_delay_s: float, max_deliver: int,
-        on_give_up: GiveUp | None, slots: asyncio.Semaphore,
-    ) -> None:
-        try:
-            await handler(delivery)
-            if not delivery.settled:
-                await delivery.ack()
-        except Exception as exc:
-            poison = isinstance(exc, (PoisonMessage, EventDecodeError))
-            if poison or 0 < max_deliver <= delivery.num_delivered:
-                log.error("terminating message", subject=delivery.subject, error=str(exc),
-                          attempts=delivery.num_delivered)
-                with contextlib.suppress(Exception):
-                    await delivery.term()
-                if on_give_up is not None:
-                    try:
-                        await on_give_up(delivery, exc)
-                    except Exception:
-                        log.exception("give-up hook failed", subject=delivery.subject)
-            else:
-                log.warning("handler failed; will retry", subject=delivery.subject, error=repr(exc),
-                            attempt=delivery.num_delivered)
-                with contextlib.suppress(Exception):
-                    await delivery.nak(retry_delay_s * min(delivery.num_delivered, 10))
-        finally:
-            slots.release()
 
+async def settle(
+    delivery: Delivery, handler: Handler, retry_delay_s: float, max_deliver: int,
+    on_give_up: GiveUp | None, slots: asyncio.Semaphore,
+) -> None:
+    """Run ``handler`` on one work-queue delivery and settle it: ack when it returns (unless it
+    settled the message itself); term a poison message, or one on its last attempt, and call
+    ``on_give_up``; otherwise nak it with a backoff. Releases one of ``slots`` in any case.
+    :meth:`Bus.consume` settles each message this way, and so does a reader of its own
+    (``marlaas.platform.tenant_turns``)."""
+    try:
+        await handler(delivery)
+        if not delivery.settled:
+            await delivery.ack()
+    except Exception as exc:
+        poison = isinstance(exc, (PoisonMessage, EventDecodeError))
+        if poison or 0 < max_deliver <= delivery.num_delivered:
+            log.error("terminating message", subject=delivery.subject, error=str(exc),
+                      attempts=delivery.num_delivered)
+            with contextlib.suppress(Exception):
+                await delivery.term()
+            if on_give_up is not None:
+                try:
+                    await on_give_up(delivery, exc)
+                except Exception:
+                    log.exception("give-up hook failed", subject=delivery.subject)
+        else:
+            log.warning("handler failed; will retry", subject=delivery.subject, error=repr(exc),
+                        attempt=delivery.num_delivered)
+            with contextlib.suppress(Exception):
+                await delivery.nak(retry_delay_s * min(delivery.num_delivered, 10))
+    finally:
+        slots.release()

@@ -24,7 +24,7 @@ import nats.js.errors
 import structlog
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from marlaas.platform.bus import Bus, Delivery, GiveUp, Handler
+from marlaas.platform.bus import Bus, Delivery, GiveUp, Handler, settle
 from marlaas.platform.tenants import TENANT_RE
 
 log = structlog.get_logger("marlaas.platform.tenant_turns")
@@ -139,8 +139,7 @@ class TenantQueues:
 
     async def _serve(self, tenant: str, delivery: Delivery, handler: Handler, slots: asyncio.Semaphore) -> None:
         try:  # settled as Bus.consume settles: ack, or nak / term by the handler's outcome
-            await Bus._handle(delivery, handler, self.retry_delay_s, self.max_deliver,  # noqa: SLF001
-                              self.on_give_up, slots)
+            await settle(delivery, handler, self.retry_delay_s, self.max_deliver, self.on_give_up, slots)
         finally:
             self.in_hand[tenant] -= 1
             if self.in_hand[tenant] <= 0:
