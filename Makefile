@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup system demo test test-fast test-unit deploy-test bench clean
+.PHONY: setup system demo test test-fast test-unit lint deploy-test bench clean
 
 setup: system $(STAMP)
 
@@ -41,6 +41,10 @@ test-fast: setup
 
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit
+
+# ruff's pyflakes, import-order and line-length rules over the whole tree ([tool.ruff] in pyproject.toml)
+lint: setup
+	$(BIN)/ruff check .
 
 # docker-compose.yml run for real with podman: images built here, up, scale, kill, HA, down -v
 # (docs/deploy.md). Needs root; installs podman, runc and debootstrap where missing
