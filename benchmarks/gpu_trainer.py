@@ -362,7 +362,8 @@ def main() -> int:
     from rich.table import Table
 
     console = Console(width=170)
-    title = f"GRPO train step through PolicyTrainer ({env.get('gpu', 'no GPU')}; CPU {env['cpu']}, {env['cpu_threads']} threads)"
+    title = (f"GRPO train step through PolicyTrainer ({env.get('gpu', 'no GPU')}; CPU {env['cpu']}, "
+             f"{env['cpu_threads']} threads)")
     table = Table(title=title)
     for column in ("case", "base params", "tokens/step", "micro-batches", "step ms (median)", "tokens/s",
                    "peak", "step peak", "export ms", "first loss", "grad norm", "finite", "changed"):
@@ -379,10 +380,11 @@ def main() -> int:
                        "grad norm rel diff", "update rel diff (L2)", "max |weights diff|", "logprob gap", "agree"):
             side.add_column(column, justify="right")
         for r in ratios:
-            side.add_row(f"{r['shape']}/{r['batch']}", f"{r['cpu_step_s'] * 1000:.1f}", f"{r['cuda_step_s'] * 1000:.1f}",
-                         f"{r['cuda_speedup']:.1f}x", f"{r['first_loss_abs_diff']:.1e}",
-                         f"{r['first_grad_norm_rel_diff']:.1e}", f"{r['first_update_rel_l2_diff']:.1e}",
-                         f"{r['first_weights_max_abs_diff']:.1e}", f"{r['cuda_first_logprob_gap']:.1e}", str(r["agree"]))
+            side.add_row(f"{r['shape']}/{r['batch']}", f"{r['cpu_step_s'] * 1000:.1f}",
+                         f"{r['cuda_step_s'] * 1000:.1f}", f"{r['cuda_speedup']:.1f}x",
+                         f"{r['first_loss_abs_diff']:.1e}", f"{r['first_grad_norm_rel_diff']:.1e}",
+                         f"{r['first_update_rel_l2_diff']:.1e}", f"{r['first_weights_max_abs_diff']:.1e}",
+                         f"{r['cuda_first_logprob_gap']:.1e}", str(r["agree"]))
         console.print(side)
     by_case = {r["case"]: r for r in results}
     ref = by_case.get(f"{big}/large cuda float32")
@@ -390,8 +392,9 @@ def main() -> int:
         for other in (f"{big}/large cuda float32 mb16384", f"{big}/large cuda bfloat16",
                       f"{big}/large cuda bfloat16 mb16384"):
             if other in by_case:
-                console.print(f"{other}: {ref['step_s_median'] / by_case[other]['step_s_median']:.2f}x the step rate of "
-                              f"{ref['case']}, peak {mib(by_case[other]['peak_bytes'])} against {mib(ref['peak_bytes'])}")
+                console.print(f"{other}: {ref['step_s_median'] / by_case[other]['step_s_median']:.2f}x the step rate "
+                              f"of {ref['case']}, peak {mib(by_case[other]['peak_bytes'])} against "
+                              f"{mib(ref['peak_bytes'])}")
     ok = all(r["finite"] and r["changed"] for r in results) and all(r["agree"] for r in ratios)
     console.print(f"checks: {'PASS' if ok else 'FAIL'} (finite loss, grad norm and weights; adapter changed; "
                   f"cpu and cuda agree on the first step where both ran)")

@@ -54,7 +54,8 @@ def sweep(args, console: Console) -> list[dict]:
             runs = [{k: v for k, v in run.items() if k != "timeline"}  # per-job phases: not needed here
                     for mode in args.modes for run in run_mode(workload, mode, False, progress)]
             targets = {k: v for k, v in base.targets.items()  # the throughput ratios of the modes run
-                       if k.startswith("steps_per_hour") and all(m in args.modes for m in k.split(" ", 1)[1].split("/"))}
+                       if k.startswith("steps_per_hour")
+                       and all(m in args.modes for m in k.split(" ", 1)[1].split("/"))}
             points.append({"latency_s": latency, "runs": runs,
                            "ratios": [{"over": m, "jobs": n, "ratio": r} for m, n, r in ratios(runs)],
                            "targets": [{"target": c.target, "wanted": c.wanted, "measured": c.measured,

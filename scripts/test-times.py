@@ -57,7 +57,8 @@ def main(paths: list[str]) -> None:
         print("|---|---:|---:|---:|---:|---:|")
         for f in files:
             p = times.get(f, {"setup": 0.0, "call": 0.0, "teardown": 0.0})
-            print(f"| {f} | {len(tests[f])} | {p['setup']:.0f} | {p['call']:.0f} | {p['teardown']:.0f} | {total(p):.0f} |")
+            print(f"| {f} | {len(tests[f])} | {p['setup']:.0f} | {p['call']:.0f} | {p['teardown']:.0f} | "
+                  f"{total(p):.0f} |")
         print(f"| **all** | {sum(len(t) for t in tests.values())} | "
               + " | ".join(f"{sum(p[ph] for p in times.values()):.0f}" for ph in ("setup", "call", "teardown"))
               + f" | {sum(total(p) for p in times.values()):.0f} |")

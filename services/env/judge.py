@@ -12,12 +12,13 @@ server (vLLM, SGLang, a hosted API without a key) named by the env config:
     judge_structured_verdict = true           # vLLM only: the reply can only be "yes" or "no"
 
 For every item the judge reads the question (the problem's ``question``, else its
-``prompt``, else the last user message of its ``messages``), the reference (``answer``, or every one of ``answers``) and the completion's
-final answer (the text after its last tool response, ``<think>`` blocks dropped, at most
-the last :data:`MAX_ANSWER_CHARS` characters), and is asked for one word, yes or no, at
-temperature 0. The verdict is read from the reply's first word (after an optional
-``Verdict:`` label; ``<think>`` blocks skipped): yes / correct / true score 1.0, no /
-incorrect / wrong / false 0.0, and a number in [0, 1] is taken as the score itself.
+``prompt``, else the last user message of its ``messages``), the reference (``answer``,
+or every one of ``answers``) and the completion's final answer (the text after its last
+tool response, ``<think>`` blocks dropped, at most the last :data:`MAX_ANSWER_CHARS`
+characters), and is asked for one word, yes or no, at temperature 0. The verdict is read
+from the reply's first word (after an optional ``Verdict:`` label; ``<think>`` blocks
+skipped): yes / correct / true score 1.0, no / incorrect / wrong / false 0.0, and a
+number in [0, 1] is taken as the score itself.
 
 Verdicts of one request are asked for concurrently, at most ``judge_concurrency`` at once,
 each within ``judge_timeout_s``. There is no fallback reward: a disabled judge, an

@@ -34,7 +34,9 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from marlaas.platform import subjects
 from marlaas.platform.bus import Bus
-from marlaas.platform.events import JOB, POLICY, EventDecodeError, JobEvaluated, JobState, JobStateChanged, PolicyCommitted
+from marlaas.platform.events import (
+    JOB, POLICY, EventDecodeError, JobEvaluated, JobState, JobStateChanged, PolicyCommitted,
+)
 from services.gateway.reads import job_record, last_sequence, refused
 
 log = structlog.get_logger("gateway")
@@ -117,7 +119,8 @@ class JobEvents:
     async def open(self) -> JobEvents:
         """Subscribe to the job's two streams; :class:`BrokerRefused` (closed again) if refused."""
         try:
-            for stream, subject in (("POLICY", subjects.policy_committed(self.job)), ("JOBS", subjects.job_events(self.job))):
+            for stream, subject in (("POLICY", subjects.policy_committed(self.job)),
+                                    ("JOBS", subjects.job_events(self.job))):
                 self._subs.append(await self._follow(stream, subject))
         except nats.js.errors.APIError as exc:
             await self.close()

@@ -356,8 +356,10 @@ async def asample(request: Request, tenant: TenantRecord) -> dict:
         raise ApiError(400, str(exc)) from None
     params = body.get("sampling_params") or {}
     seed = params.get("seed") if isinstance(params, dict) else None
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < limits.MAX_SAMPLING_SEED):
-        raise ApiError(400, f"sampling_params.seed must be a whole number from 0 to {limits.MAX_SAMPLING_SEED - 1}, not {seed!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not 0 <= seed < limits.MAX_SAMPLING_SEED):
+        raise ApiError(400, f"sampling_params.seed must be a whole number from 0 to {limits.MAX_SAMPLING_SEED - 1}, "
+                            f"not {seed!r}")
     await gateway.bus.publish(subjects.tinker_sample(tenant.name), msgspec.json.encode(wire.SampleRequest(
         request_id=request_id, tenant=tenant.name, sampler=sampler, body=raw, submitted_at=time.time())),
         msg_id=request_id)

@@ -128,8 +128,8 @@ async def get_timeline(request: Request, tenant: TenantRecord, job: str) -> list
 async def pin_version(request: Request, tenant: TenantRecord, job: str, version: str) -> Pinned:
     await owned(request, tenant, job)
     number = version_number(version, "the version in the path")
-    reply = await gateway_of(request).call(subjects.API_PIN, api.PinRequest(job=job, version=number, tenant=tenant.name),
-                                           api.PinReply)
+    reply = await gateway_of(request).call(subjects.API_PIN,
+                                           api.PinRequest(job=job, version=number, tenant=tenant.name), api.PinReply)
     if reply.code == api.NOT_FOUND:
         raise not_found(job)
     if reply.error:

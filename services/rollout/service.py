@@ -24,8 +24,8 @@ from marlaas.platform.adapters import attempt_prefix, materialize
 from marlaas.platform.bus import JOBS_BUCKET, SAMPLED_BUCKET, Bus, Delivery, PoisonMessage
 from marlaas.platform.commits import read_job, report_failure
 from marlaas.platform.events import (
-    JOB, JOB_RECORD, POLICY, REWARD, EventDecodeError, JobEvaluated, JobSpec, JobState, JobStateChanged, PolicyCommitted,
-    RewardItem, RewardRequest, Span, TrajectoryBatch, TrajectoryReady, encode,
+    JOB, JOB_RECORD, POLICY, REWARD, EventDecodeError, JobEvaluated, JobSpec, JobState, JobStateChanged,
+    PolicyCommitted, RewardItem, RewardRequest, Span, TrajectoryBatch, TrajectoryReady, encode,
 )
 from marlaas.platform.files import DataFiles, is_file_id
 from marlaas.platform.runtime import Runtime
@@ -456,7 +456,8 @@ async def run(rt: Runtime) -> None:
             rt.bus.consume("POLICY", "rollout", subjects.policy_committed(), rollout.handle,
                            stop=rt.stop, ack_wait_s=rt.config.rollout.ack_wait_s,
                            concurrency=rt.config.rollout.concurrency, on_give_up=rollout.give_up),
-            serve_tinker(rt, rollout),  # Tinker clients' asample, on the same engine (services/rollout/tinker_sampling.py)
+            # Tinker clients' asample, on the same engine (services/rollout/tinker_sampling.py)
+            serve_tinker(rt, rollout),
         )
     finally:
         watchdog.cancel()

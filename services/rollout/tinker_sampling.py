@@ -117,11 +117,13 @@ class TinkerSampler:
         stop_strings = [stop] if isinstance(stop, str) else [s for s in stop or [] if isinstance(s, str)]
         stop_ids = [s for s in stop or [] if isinstance(s, int)] if not isinstance(stop, str) else []
         seed = params.get("seed")
-        seeds = [(seed + j) % limits.MAX_SAMPLING_SEED if seed is not None else random.getrandbits(31) for j in range(n)]
+        seeds = [(seed + j) % limits.MAX_SAMPLING_SEED if seed is not None else random.getrandbits(31)
+                 for j in range(n)]
         lora = await self.adapter(request.sampler.adapter)
         try:
             turns = await asyncio.gather(*[
-                self.engine.generate(prompt, max_tokens=int(max_tokens), temperature=float(params.get("temperature", 1.0)),
+                self.engine.generate(prompt, max_tokens=int(max_tokens),
+                                     temperature=float(params.get("temperature", 1.0)),
                                      lora=lora, seed=s, stop=stop_strings or None, stop_token_ids=stop_ids or None,
                                      ignore_eos=stop is not None, top_p=float(params.get("top_p", 1.0)),
                                      top_k=int(params.get("top_k", -1)), prompt_logprobs=with_prompt and j == 0)

@@ -393,7 +393,8 @@ class PolicyTrainer:
         for i, (tokens_T, targets_T) in enumerate(rows):
             tokens_B_T[i, : lengths[i]], targets_B_T[i, : lengths[i]] = tokens_T, targets_T
         mask_B_T = torch.arange(tokens_B_T.shape[1]) < torch.tensor(lengths).unsqueeze(1)
-        tokens_B_T, targets_B_T, mask_B_T = tokens_B_T.to(self.device), targets_B_T.to(self.device), mask_B_T.to(self.device)
+        tokens_B_T, targets_B_T, mask_B_T = (tokens_B_T.to(self.device), targets_B_T.to(self.device),
+                                             mask_B_T.to(self.device))
         rows_N, cols_N = mask_B_T.nonzero(as_tuple=True)  # row-major: each row's positions in order
         parts = find_decoder_and_head(self.model) if self.split_head else None
         if parts is None:

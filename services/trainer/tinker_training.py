@@ -188,7 +188,8 @@ class TinkerTrainer:
                                        done_at=time.time())
         await wire.write(self.bus, "live", request.model_id, live)
         if new is not None and old is not None and old.adapter is not None and old.adapter != new.adapter:
-            await asyncio.to_thread(self.store.delete_prefix, self.store.key_of(old.adapter.uri).rsplit("/", 1)[0] + "/")
+            await asyncio.to_thread(self.store.delete_prefix,
+                                    self.store.key_of(old.adapter.uri).rsplit("/", 1)[0] + "/")
 
     # --- in a thread, with the policy's lock -----------------------------------------------------
 
@@ -284,7 +285,8 @@ class TinkerTrainer:
         try:
             with torch.set_grad_enabled(not request.forward_only):
                 for batch in micro_batches(lengths, self.policy.micro_batch_tokens):
-                    scored = self.policy.target_logprobs(job, [(data[i][0], data[i][1]["target_tokens"]) for i in batch])
+                    scored = self.policy.target_logprobs(job, [(data[i][0], data[i][1]["target_tokens"])
+                                                               for i in batch])
                     batch_loss = 0.0
                     for i, logprobs_T in zip(batch, scored, strict=True):
                         loss, out = datum_loss(request.loss_fn, logprobs_T, data[i][1], config)
@@ -362,7 +364,8 @@ class TinkerTrainer:
         checkpoint = wire.TinkerCheckpoint(path=path, tenant=model.tenant, model_id=model.id,
                                            kind="sampler" if state is None else "state", adapter=adapter,
                                            optimizer=state, rank=model.rank, created_at=time.time())
-        return Done("json", msgspec.json.encode({"path": path, "type": kind}), records=[("checkpoint", path, checkpoint)])
+        return Done("json", msgspec.json.encode({"path": path, "type": kind}),
+                    records=[("checkpoint", path, checkpoint)])
 
 
 async def run_tinker(rt, policy: PolicyTrainer) -> None:
@@ -370,7 +373,8 @@ async def run_tinker(rt, policy: PolicyTrainer) -> None:
     backlog puts another tenant's next request behind at most one of its own (issue 35, F4). A
     job's trajectory batch, waiting for the policy's lock meanwhile, takes it between two requests."""
     trainer = TinkerTrainer(rt.bus, rt.store, policy, rt.config.base_model_dir, rt.config.rollout.max_model_len)
-    queues = TenantQueues(rt.bus, "TINKER", TRAIN_DURABLE, subjects.TINKER_TRAIN, ack_wait_s=rt.config.trainer.ack_wait_s,
+    queues = TenantQueues(rt.bus, "TINKER", TRAIN_DURABLE, subjects.TINKER_TRAIN,
+                          ack_wait_s=rt.config.trainer.ack_wait_s,
                           max_deliver=-1)  # a request waiting for its model's turn is redelivered until it comes
     await queues.retire(TRAIN_DURABLE)
     await queues.run(trainer.handle, rt.stop)

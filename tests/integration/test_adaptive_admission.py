@@ -41,5 +41,6 @@ def test_adaptive_admission_admits_one_settled_job_at_a_time(tmp_path):
     assert all(v.state == "completed" for v in views)
     first_generate = {job: min(s.start for s in spans if s.job == job and s.phase == "generate") for job in ids}
     for earlier, later in zip(ids, ids[1:]):  # each admitted only after the one before had settled
-        settled = sorted(s.end for s in spans if s.job == earlier and s.phase == "commit")[SETTLE_STEPS - 1]  # v1 is the first
+        # v1 is the first
+        settled = sorted(s.end for s in spans if s.job == earlier and s.phase == "commit")[SETTLE_STEPS - 1]
         assert first_generate[later] >= settled

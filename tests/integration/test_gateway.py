@@ -150,7 +150,8 @@ BAD_SUBMISSIONS = [  # (body or json, headers, status, what the message must say
     ({"task": "addition", "steps": 2, "grpo": {"temperature": 0.0}}, {}, 400, ["grpo.temperature must be in"]),
     ({"task": "addition", "steps": 2, "grpo": {"learning_rate": 5}}, {}, 400, ["grpo.learning_rate must be in (0, 1)"]),
     ({"task": "addition", "steps": 2, "lora": {"rank": 999}}, {}, 400, ["lora.rank must be between 1 and"]),
-    ({"task": "addition", "steps": 2, "lora": {"dropout": 0.1}}, {}, 400, ["lora.dropout must be 0", "drop lora.dropout"]),
+    ({"task": "addition", "steps": 2, "lora": {"dropout": 0.1}}, {}, 400,
+     ["lora.dropout must be 0", "drop lora.dropout"]),
     ({"task": "addition", "steps": 2, "lora": {"target_modules": ["nope_proj"]}}, {}, 400,
      ["lora.target_modules", "choose from"]),
     ({"task": "addition", "steps": 2, "grpo": {"top_p": 0.9}}, {}, 400, ["'grpo.top_p' is not supported"]),
@@ -163,7 +164,8 @@ BAD_SUBMISSIONS = [  # (body or json, headers, status, what the message must say
     ({**AGENTIC, "tools": ["bob.weather"]}, {}, 400, ["belongs to tenant 'bob'", "alice.<name>"]),
     ({"task": "addition", "steps": 2, "eval_every": -1}, {}, 400, ["eval_every must be >= 0"]),
     ({"task": "addition", "steps": 2, "name": "x" * 65}, {}, 400, ["name must be at most 64 characters"]),
-    ({"task": "addition", "steps": 2, "dataset": "/tmp/x.jsonl"}, {}, 400, ["is not an uploaded file", "POST /v1/files"]),
+    ({"task": "addition", "steps": 2, "dataset": "/tmp/x.jsonl"}, {}, 400,
+     ["is not an uploaded file", "POST /v1/files"]),
     ({"task": "addition", "steps": 2, "name": "x" * (2 << 20)}, {}, 413, ["gateway.max_body_bytes", "smaller"]),
 ]
 

@@ -1,5 +1,6 @@
-"""The ``judge`` reward against a real ``vllm serve`` of the character-level base (`builtin:char`, no chat template), through the env
-service on a real nats-server; and the errors of a judge that is unreachable or silent.
+"""The ``judge`` reward against a real ``vllm serve`` of the character-level base (`builtin:char`,
+no chat template), through the env service on a real nats-server; and the errors of a judge
+that is unreachable or silent.
 
 The tiny model's verdicts mean nothing: these tests check the path (subject, HTTP API,
 concurrency, parsing) and the errors, not the judgement.

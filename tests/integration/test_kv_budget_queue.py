@@ -18,7 +18,8 @@ pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 @pytest.mark.timeout(400)
 def test_a_job_beyond_the_kv_budget_queues_until_room_frees_up(tmp_path):
     # tiny model, float32: repeat needs ~3.1 MiB of KV cache, addition ~1.3 MiB; 4 MiB fits one
-    config = load_config(overrides={"home": str(tmp_path), "gateway.port": 0, "manager.kv_budget_gib": 4 / 1024}, env={})
+    config = load_config(overrides={"home": str(tmp_path), "gateway.port": 0, "manager.kv_budget_gib": 4 / 1024},
+                         env={})
 
     async def go(url: str):
         client = await BusClient.connect(url)

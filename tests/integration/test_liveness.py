@@ -69,7 +69,8 @@ async def test_an_answer_clears_the_warning_and_restarts_the_count(bus):
 
 
 def test_the_record_shows_each_warning_until_cleared_and_never_after_the_job_finished():
-    record = JobRecord(spec=JobSpec(id="acme.j1", tenant="acme", name="j1", task="multiply", steps=2), state=JobState.RUNNING)
+    record = JobRecord(spec=JobSpec(id="acme.j1", tenant="acme", name="j1", task="multiply", steps=2),
+                       state=JobState.RUNNING)
     warn = JobWarningReported(job="acme.j1", service="rollout", key="tool acme.weather", warning="silent")
     record = _with_warning(record, warn)
     assert record.warnings == {"tool acme.weather": "silent"}

@@ -159,7 +159,8 @@ async def test_poison_on_the_trainers_consumer_is_terminated_and_the_next_batch_
                                                     stop=stop, on_give_up=trainer.give_up))
         sent = {}
         for data, _ in poison_for("trajectory.ready", spec.id).values():
-            sent[("trainer", (await bus.js.publish(subject, data)).seq)] = f"malformed trajectory event ({len(data)} bytes): "
+            sent[("trainer", (await bus.js.publish(subject, data)).seq)] = (f"malformed trajectory event "
+                                                                            f"({len(data)} bytes): ")
         batch = TrajectoryBatch(samples=[
             Sample(group=0, prompt_ids=[4, 6, 77, 10], completion_ids=[11, 12, 1], logprobs=[-2.0, -2.0, -2.0],
                    loss_mask=[1, 1, 1], reward=r) for r in (0.0, 1.0)], policy_version=0)
@@ -198,7 +199,8 @@ async def test_bad_api_requests_get_a_readable_error_and_the_manager_keeps_servi
 
     submit = await ask(subjects.API_SUBMIT, b"\xff\x00 not JSON")
     assert submit["code"] == api.INVALID and "JSON is malformed" in submit["error"]
-    assert (await ask(subjects.API_SUBMIT, b"[1, 2]"))["error"].startswith("invalid job: Expected `object`, got `array`")
+    assert (await ask(subjects.API_SUBMIT, b"[1, 2]"))["error"].startswith("invalid job: Expected `object`, "
+                                                                            "got `array`")
     assert (await ask(subjects.API_STATUS, b"\xff"))["error"].startswith("malformed request: JSON is malformed")
     cancel = await ask(subjects.API_CANCEL, json.dumps({"job": 5}).encode())
     assert cancel["error"] == "malformed request: Expected `str`, got `int` - at `$.job`"

@@ -2,8 +2,9 @@
 
 One 40-version run of three concurrent built-in jobs shows, from what the services
 recorded: every job reaches its target with consecutive versions, the reward rises where
-the base has room to sharpen (reverse, repeat; addition's does not fall), generation of different jobs shares the engine in time, one job's training
-overlaps others' generation, and every trained batch was of the committed version.
+the base has room to sharpen (reverse, repeat; addition's does not fall), generation of
+different jobs shares the engine in time, one job's training overlaps others' generation,
+and every trained batch was of the committed version.
 """
 
 from __future__ import annotations
@@ -336,7 +337,8 @@ def test_the_same_spec_twice_trains_on_the_same_problems(stack):
 
 @pytest.mark.timeout(300)
 def test_a_user_process_follows_a_job_and_evaluates_each_version(stack):
-    """The documented example (docs/using.md): on every committed version, pull the adapter and evaluate it with peft."""
+    """The documented example (docs/using.md): on every committed version, pull the adapter and evaluate it
+    with peft."""
     (job,) = run(submit_only(stack, [{"name": "followed", "task": "addition", "steps": 3, "seed": 8}]))
     example = subprocess.run(
         [sys.executable, "examples/evaluate_each_version.py", job, "--problems", "5"],
@@ -411,7 +413,8 @@ def test_a_pulled_adapter_gives_the_same_greedy_text_in_peft_and_vllm(stack, tmp
     assert run(pull()) == 3
     prompts = ["rev:abcd=", "rev:hello=", "12+30=", "dup:xyz="]
     done = subprocess.run(
-        [sys.executable, "examples/load_adapter.py", str(tmp_path / "adapter"), *sum((["--prompt", p] for p in prompts), [])],
+        [sys.executable, "examples/load_adapter.py", str(tmp_path / "adapter"),
+         *sum((["--prompt", p] for p in prompts), [])],
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"engine"')]

@@ -318,7 +318,8 @@ async def test_poison_announcements_are_terminated_with_a_reason_and_the_service
         "empty": (b"", "malformed policy event (0 bytes)"),
     }
     watch = await Watch.start(bus)
-    seqs = {name: await publish_raw(bus, subjects.policy_committed(job.job), data) for name, (data, _) in poison.items()}
+    seqs = {name: await publish_raw(bus, subjects.policy_committed(job.job), data)
+            for name, (data, _) in poison.items()}
     await publish_raw(bus, f"marlaas.job.state.{job.job}", b"\xff not a state change")  # its plain subscription
     # a newer writer's announcement (a schema this reader does not know, with a field it lacks)
     # is still read: wire structs accept unknown fields, so readers can be upgraded last

@@ -125,8 +125,8 @@ def test_exists_list_delete(store):
 
 def test_delete_prefix_removes_one_job_s_folder_and_nothing_beside_it(store):
     keys = ["adapters/acme.j1/v000001/a1/adapter_config.json", "adapters/acme.j1/v000001/a1/adapter_model.safetensors",
-            "adapters/acme.j1/v000002/b2/adapter_model.safetensors", "adapters/acme.j10/v000001/c3/adapter_model.safetensors",
-            "optimizer/acme.j1/v000001/d4/adamw.pt"]
+            "adapters/acme.j1/v000002/b2/adapter_model.safetensors",
+            "adapters/acme.j10/v000001/c3/adapter_model.safetensors", "optimizer/acme.j1/v000001/d4/adamw.pt"]
     for key in keys:
         store.put_bytes(key, key.encode())
 

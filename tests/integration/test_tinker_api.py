@@ -216,7 +216,8 @@ def test_a_new_client_resumes_from_saved_state_and_checkpoints_are_listed(servic
     fresh = service.create_training_client_from_state(trained["state"]).result()  # weights only
     assert fresh.forward([ce_datum(trained["ids"])], "cross_entropy").result().metrics["loss:sum"] == \
         pytest.approx(loss, rel=1e-4)
-    listed = tinker.RestClient(base_url=url, api_key=keys["alice"]).list_checkpoints(trained["client"].model_id).result()
+    listed = tinker.RestClient(base_url=url, api_key=keys["alice"]).list_checkpoints(
+        trained["client"].model_id).result()
     assert {c.tinker_path for c in listed.checkpoints} == {trained["state"], trained["sampler"]}
 
 
@@ -270,7 +271,8 @@ def test_failures_are_request_failed_with_a_category(service, trained):
         client.forward([no_weights], "ppo").result()
     assert failed.value.category.value == "user"
     with pytest.raises(tinker.RequestFailedError, match="image") as failed:  # a text model
-        client.forward([types.Datum(model_input=types.ModelInput(chunks=[types.ImageChunk(data=b"x", format="png", expected_tokens=1)]),
+        client.forward([types.Datum(model_input=types.ModelInput(chunks=[types.ImageChunk(data=b"x", format="png",
+                                                                                          expected_tokens=1)]),
                                     loss_fn_inputs={"target_tokens": [1], "weights": [1.0]})], "cross_entropy").result()
     with pytest.raises(tinker.BadRequestError, match="not served here"):
         service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=8).result()

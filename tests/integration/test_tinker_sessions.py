@@ -13,7 +13,8 @@ async def test_a_silent_session_is_ended_and_its_sampler_weights_deleted(bus, fi
     alive = wire.TinkerSession(id="alive", tenant="acme", created_at=now - 3600, heartbeat_at=now - 5)
     for session in (silent, alive):
         await wire.write(bus, "session", session.id, session)
-        file_store.put_bytes(wire.session_prefix("acme", session.id, "samplers", "x", "adapter_model.safetensors"), b"w")
+        file_store.put_bytes(wire.session_prefix("acme", session.id, "samplers", "x", "adapter_model.safetensors"),
+                             b"w")
     assert await wire.sweep_sessions(bus, file_store, now) == ["silent"]
     assert (await wire.read(bus, "session", "silent", wire.TinkerSession)).finished
     assert not (await wire.read(bus, "session", "alive", wire.TinkerSession)).finished

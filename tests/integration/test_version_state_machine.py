@@ -214,8 +214,8 @@ def machine_over(world: World) -> type[RuleBasedStateMachine]:
             self.consumers = [("POLICY", f"rollout-{self.n}"), ("POLICY", f"audit-{self.n}"),
                               ("METRICS", f"spans-{self.n}"), ("TRAJ", f"trainers-{self.n}")]
             self.subs = [run(self.subscribe(stream, durable, subject)) for (stream, durable), subject in zip(
-                self.consumers, (subjects.policy_committed(self.job), subjects.policy_committed(self.job), subjects.span(self.job),
-                                 f"marlaas.trajectory.ready.{self.job}"))]
+                self.consumers, (subjects.policy_committed(self.job), subjects.policy_committed(self.job),
+                                 subjects.span(self.job), f"marlaas.trajectory.ready.{self.job}"))]
             self.rollout_sub, self.audit_sub, self.spans_sub, self.trainers_sub = self.subs
             self.trainer_a = Trainer(bus, world.store, world.policy_a)
             self.trainer_b = Trainer(bus, world.store, world.policy_b)
@@ -277,7 +277,8 @@ def machine_over(world: World) -> type[RuleBasedStateMachine]:
                 run(announce(bus, COMMITTED.decode(entry.value)))
                 return
             raw = data.draw(st.sampled_from(self.announcements), label="announcement")
-            run(bus.publish(subjects.policy_committed(self.job), json.dumps({**json.loads(raw), "copy": True}).encode()))
+            run(bus.publish(subjects.policy_committed(self.job),
+                            json.dumps({**json.loads(raw), "copy": True}).encode()))
 
         def trainer_a_trains_the_next_batch(self, data) -> None:
             if not self.a_down:

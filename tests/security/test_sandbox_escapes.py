@@ -497,7 +497,8 @@ async def test_setuid_binaries_do_not_elevate():
         mounts = [line.split() for line in open("/proc/self/mountinfo")]
         print("usr", next((m[5] for m in mounts if m[4] == "/usr"), "not-a-mount"))
         euids = set()
-        for binary in (["/usr/bin/su", "root", "-c", "id"], ["/usr/bin/passwd"], ["/usr/bin/mount", "-t", "tmpfs", "x", "/tmp"]):
+        for binary in (["/usr/bin/su", "root", "-c", "id"], ["/usr/bin/passwd"],
+                       ["/usr/bin/mount", "-t", "tmpfs", "x", "/tmp"]):
             if not os.path.exists(binary[0]):
                 continue
             p = subprocess.Popen(binary, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -63,8 +63,10 @@ def test_chat_template_renders_tools_calls_and_responses_in_the_hermes_shape():
     text = tok.apply_chat_template(messages, tools=[TOOL], tokenize=False)
     schema = json.dumps(TOOL["function"])
     assert text == (
-        "<|im_start|>system\nBe brief.\n\n# Tools\nYou may call one of these tools:\n<tools>\n" + schema + "\n</tools>\n"
-        'To call a tool, write <tool_call>{"name": <tool-name>, "arguments": <args-json-object>}</tool_call><|im_end|>\n'
+        "<|im_start|>system\nBe brief.\n\n# Tools\nYou may call one of these tools:\n"
+        "<tools>\n" + schema + "\n</tools>\n"
+        'To call a tool, write <tool_call>{"name": <tool-name>, "arguments": <args-json-object>}'
+        "</tool_call><|im_end|>\n"
         "<|im_start|>user\nCapital of Peru?<|im_end|>\n"
         '<|im_start|>assistant\n<tool_call>{"name": "lookup_capital", "arguments": {"country": "Peru"}}</tool_call>'
         "<|im_end|>\n"
@@ -133,6 +135,7 @@ def test_tokenizer_training_is_deterministic():
 def test_shipped_weights_match_the_report():
     root = builtin_model_dir()
     report = json.loads((root / "pretrain_report.json").read_text())
-    assert hashlib.sha256((root / "model.safetensors").read_bytes()).hexdigest() == report["sha256"]["model.safetensors"]
+    assert (hashlib.sha256((root / "model.safetensors").read_bytes()).hexdigest()
+            == report["sha256"]["model.safetensors"])
     held = report["eval"]["heldout_tools"]
     assert {"greedy", "sampled_t1"} <= held.keys() and 0.0 <= held["sampled_t1"]["success"] <= 1.0

@@ -166,9 +166,11 @@ def test_every_documented_default_is_the_default():
         actual = getattr(getattr(config, section), name)
         documented = parse_documented(written)
         if isinstance(documented, float):
-            assert float(actual) == documented, f"docs/configuration.md says {field} defaults to {written}, it is {actual}"
+            assert float(actual) == documented, (f"docs/configuration.md says {field} defaults to {written}, "
+                                                 f"it is {actual}")
         else:
-            assert str(actual) == documented, f"docs/configuration.md says {field} defaults to {written}, it is {actual!r}"
+            assert str(actual) == documented, (f"docs/configuration.md says {field} defaults to {written}, "
+                                               f"it is {actual!r}")
         checked += 1
     assert checked >= 20, documented_defaults()
 
@@ -179,7 +181,8 @@ def test_the_default_base_is_the_chat_model_and_the_character_level_one_is_named
     assert Config().base_model_dir == builtin_model_dir()
     assert (Config().base_model_dir / "chat_template.jinja").is_file()
     assert Config(base_model="builtin:chat").base_model_dir == builtin_model_dir()
-    with pytest.raises(ConfigError, match=r"'builtin:tiny' is not a built-in model; use one of builtin:chat, builtin:char"):
+    with pytest.raises(ConfigError, match=r"'builtin:tiny' is not a built-in model; use one of builtin:chat, "
+                                          r"builtin:char"):
         Config(base_model="builtin:tiny").base_model_dir
     with pytest.raises(ConfigError, match=r"'builtin:char' has no chat template: set rollout.prompt_format = \"bare\""):
         load_config(overrides={"base_model": "builtin:char"}, env={})

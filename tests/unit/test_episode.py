@@ -53,7 +53,8 @@ def test_calls_are_parsed_from_the_turn_and_broken_ones_are_described():
     assert parse_call("1665") is None  # an answer, not a call
     assert isinstance(parse_call('<tool_call>{"name": calc</tool_call>'), CallError)
     assert "not valid JSON" in parse_call('<tool_call>{"name": calc</tool_call>').message
-    assert "arguments must be a JSON object" in parse_call('<tool_call>{"name":"a","arguments":[1]}</tool_call>').message
+    assert ("arguments must be a JSON object"
+            in parse_call('<tool_call>{"name":"a","arguments":[1]}</tool_call>').message)
     assert "without <tool_call>" in parse_call('{"name":"a"}</tool_call>').message
 
 

@@ -142,7 +142,8 @@ def test_target_logprobs_of_padded_rows_are_each_rows_own_and_a_failed_requests_
     right-padded pass score as they do alone; gradients saved before a request come back after it."""
     trainer = PolicyTrainer(base_dir)
     trainer.load("tinker/m", 0, *v0, None, SETTINGS)
-    rows = [(torch.tensor([5, 9, 11, 4, 7]), torch.tensor([9, 11, 4, 7, 2])), (torch.tensor([3, 8]), torch.tensor([8, 6]))]
+    rows = [(torch.tensor([5, 9, 11, 4, 7]), torch.tensor([9, 11, 4, 7, 2])),
+            (torch.tensor([3, 8]), torch.tensor([8, 6]))]
     with torch.no_grad():
         together = trainer.target_logprobs("tinker/m", rows)
         alone = [trainer.target_logprobs("tinker/m", [row])[0] for row in rows]

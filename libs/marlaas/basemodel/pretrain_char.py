@@ -344,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
             if not CALL_BAND[0] <= calls <= CALL_BAND[1] or not SAMPLED_BAND[0] <= sampled <= SAMPLED_BAND[1]:
                 warnings.append(f"{n}: T=1.0 {sampled:.3f} (want {SAMPLED_BAND}), calls {calls:.2f} (want {CALL_BAND})")
         elif greedy < GREEDY_MIN or not SAMPLED_BAND[0] <= sampled <= SAMPLED_BAND[1]:
-            warnings.append(f"{n}: greedy {greedy:.3f} (want >= {GREEDY_MIN}), T=1.0 {sampled:.3f} (want {SAMPLED_BAND})")
+            warnings.append(f"{n}: greedy {greedy:.3f} (want >= {GREEDY_MIN}), "
+                            f"T=1.0 {sampled:.3f} (want {SAMPLED_BAND})")
     for w in warnings:
         print(f"WARNING: {w}; retune EPS/WEIGHTS/--steps")
     print(f"\npretraining took {train_s:.0f}s (total {time.perf_counter() - started:.0f}s); saved to {args.out}")

@@ -173,7 +173,8 @@ class GatewayConfig(Section):
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8470  # 0 = any free port (tests)
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1 << 20  # a job spec is a few hundred bytes
     max_file_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 64 << 20  # one uploaded data file (POST /v1/files)
-    max_files: Annotated[int, msgspec.Meta(ge=1)] = 64  # a tenant's uploaded files at once: bounds its share of the disk
+    # a tenant's uploaded files at once: bounds its share of the disk
+    max_files: Annotated[int, msgspec.Meta(ge=1)] = 64
     # one line of an upload: all of a line the gateway holds while checking it (the rest streams to disk)
     max_line_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1 << 20
     max_uploads_per_tenant: Annotated[int, msgspec.Meta(ge=1)] = 2  # uploads one tenant sends at once, per replica

@@ -273,8 +273,8 @@ async def unindex(bus: Bus, tenant: str, model_id: str, path: str) -> None:
 async def finish(bus: Bus, store, future: TinkerFuture) -> None:
     """Record a finished request; a body too large for the bucket goes to the object store."""
     if len(future.body) > INLINE_RESULT_BYTES:
-        blob = store.put_bytes(f"tinker/{future.tenant}/futures/{hashlib.sha256(future.request_id.encode()).hexdigest()}",
-                               future.body)
+        blob = store.put_bytes(f"tinker/{future.tenant}/futures/"
+                               f"{hashlib.sha256(future.request_id.encode()).hexdigest()}", future.body)
         future = msgspec.structs.replace(future, body=b"", blob=blob)
     await write(bus, "future", future.request_id, msgspec.structs.replace(future, done_at=time.time()))
 

@@ -30,7 +30,8 @@ SERVICES_PASSWORD_ENV = "MARLAAS_NATS_PASSWORD"
 
 
 def add_tenant_commands(subparsers) -> argparse.ArgumentParser:
-    """Add ``tenant add | list | revoke | sync | init-auth | sandbox-password`` to the ``marlaas`` parser's subparsers."""
+    """Add ``tenant add | list | revoke | sync | init-auth | sandbox-password`` to the ``marlaas`` parser's
+    subparsers."""
     tenant = subparsers.add_parser("tenant", help="add, list or revoke tenants (API tokens, broker users)")
     actions = tenant.add_subparsers(dest="tenant_command", required=True)
 

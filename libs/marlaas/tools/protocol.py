@@ -83,7 +83,8 @@ def parse_call(turn_text: str) -> ParsedCall | CallError | None:
         if CALL_OPEN in body:
             return CallError(f"{call.message}; a second {CALL_OPEN} began before {CALL_CLOSE} closed the "
                              "first: make one call per turn")
-        if (body.count('"') - body.count('\\"')) % 2:  # an open string: a closing tag inside the arguments ended the call
+        # an open string: a closing tag inside the arguments ended the call
+        if (body.count('"') - body.count('\\"')) % 2:
             return CallError(f"{call.message}; the call ended at the first {CALL_CLOSE}: inside a JSON "
                              f"string write it as <\\/tool_call>")
         return call

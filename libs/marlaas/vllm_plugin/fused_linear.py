@@ -138,8 +138,8 @@ def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tupl
     y_B_O = y.view(-1, y.shape[-1])
     indices_B = self.token_lora_indices
     if indices_B.shape[0] != x_B_I.shape[0] or y_B_O.shape[-1] != sum(output_slices):
-        return (_vllm_add_lora_linear or type(self).add_lora_linear)(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices,
-                                     buffer=buffer, **kwargs)
+        return (_vllm_add_lora_linear or type(self).add_lora_linear)(self, y, x, lora_a_stacked, lora_b_stacked, scale,
+                                                                     output_slices, buffer=buffer, **kwargs)
     weights = _weights_of(lora_a_stacked[0])
     weights.update(tuple(lora_a_stacked), tuple(lora_b_stacked), tuple(output_slices))
     num_slots = lora_a_stacked[0].shape[0]  # the same for every layer of the engine

@@ -95,14 +95,17 @@ def _sgmv_groups(lora_indices_S: torch.Tensor, seq_lens_S: torch.Tensor) -> Grou
 def bgmv_shrink(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
                 lora_indices_tensor: torch.Tensor | None, scaling: float = 1.0, groups: Groups | None = None) -> None:
     """Decode: ``output[:, :rank] = scaling * (A x)`` per token (the adapter's down-projection)."""
-    outputs = lora_matmul(inputs, lora_b_weights, _bgmv_groups(lora_indices_tensor) if groups is None else groups, output_tensor.dtype)
+    outputs = lora_matmul(inputs, lora_b_weights, _bgmv_groups(lora_indices_tensor) if groups is None else groups,
+                          output_tensor.dtype)
     output_tensor[:, : outputs.shape[1]] = scaling * outputs
 
 
 def bgmv_expand(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
-                lora_indices_tensor: torch.Tensor | None, add_inputs: bool = True, groups: Groups | None = None) -> None:
+                lora_indices_tensor: torch.Tensor | None, add_inputs: bool = True,
+                groups: Groups | None = None) -> None:
     """Decode: ``output (+)= B x`` per token (the up-projection), cut to the narrower of the two widths."""
-    outputs = lora_matmul(inputs, lora_b_weights, _bgmv_groups(lora_indices_tensor) if groups is None else groups, output_tensor.dtype)
+    outputs = lora_matmul(inputs, lora_b_weights, _bgmv_groups(lora_indices_tensor) if groups is None else groups,
+                          output_tensor.dtype)
     limit = 1 if outputs.shape[0] == 1 and output_tensor.shape[0] != 1 else output_tensor.shape[0]
     common = min(outputs.shape[1], output_tensor.shape[1])  # adapter and model may pad differently
     if add_inputs:
@@ -115,7 +118,8 @@ def bgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output
                       lora_indices_tensor: torch.Tensor | None, slice_offset: int, slice_size: int,
                       add_inputs: bool = True, groups: Groups | None = None) -> None:
     """Decode: :func:`bgmv_expand` into ``output[:, slice_offset:slice_offset + slice_size]``."""
-    outputs = lora_matmul(inputs, lora_b_weights, _bgmv_groups(lora_indices_tensor) if groups is None else groups, output_tensor.dtype)
+    outputs = lora_matmul(inputs, lora_b_weights, _bgmv_groups(lora_indices_tensor) if groups is None else groups,
+                          output_tensor.dtype)
     if add_inputs:
         output_tensor[:, slice_offset: slice_offset + slice_size] += outputs
     else:

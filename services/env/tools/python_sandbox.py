@@ -143,7 +143,8 @@ async def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
         raise SandboxUnavailable("bubblewrap (`bwrap`) is not installed")
     with contextlib.ExitStack() as cleanup:
         uid = cleanup.enter_context(_reserved_uid()) if os.geteuid() == 0 else None
-        groups = cleanup.enter_context(RunCgroups.create(uid, limits.memory_mb, limits.processes)) if uid is not None else None
+        groups = (cleanup.enter_context(RunCgroups.create(uid, limits.memory_mb, limits.processes))
+                  if uid is not None else None)
         workdir = None
         if bwrap is None:
             workdir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="marlaas-python-"))
