@@ -6,6 +6,8 @@ and optimizer state under fresh immutable keys, compare-and-set the ``versions``
 entry from v to v+1, then announce policy-committed(v+1) with ``Nats-Msg-Id =
 <job>:<v+1>``. Ack comes last. A crash anywhere leaves v or v+1 committed; on
 start the trainer re-announces every committed version (deduplicated by NATS).
+Which batches are trained, dropped or re-announced is decided by the pure
+``plan_batch`` (services/trainer/batch_plan.py); this module carries the plan out.
 """
 
 from __future__ import annotations
@@ -22,17 +24,27 @@ import torch
 
 from marlaas.platform import subjects
 from marlaas.platform.adapters import attempt_prefix, read_adapter, write_adapter
-from marlaas.platform.commits import announce, read_job, report_failure
 from marlaas.platform.bus import VERSIONS_BUCKET, Bus, Delivery, StaleRevision
+from marlaas.platform.commits import JobSnapshot, announce, read_job, report_failure
 from marlaas.platform.events import (
-    BATCH, COMMITTED, JOB, TRAJECTORY, CommittedVersion, EventDecodeError, JobSpec, JobStateChanged,
-    TrajectoryBatch, TrajectoryReady, encode,
+    BATCH,
+    COMMITTED,
+    JOB,
+    TRAJECTORY,
+    CommittedVersion,
+    EventDecodeError,
+    JobSpec,
+    JobStateChanged,
+    TrajectoryBatch,
+    TrajectoryReady,
+    encode,
 )
 from marlaas.platform.runtime import Runtime
 from marlaas.platform.store import ObjectStore
 from marlaas.platform.telemetry import span
-from services.trainer.tinker_training import run_tinker
+from services.trainer.batch_plan import BatchAction, may_commit, plan_batch
 from services.trainer.policy import NonFiniteUpdate, PolicyTrainer, StepResult, torch_threads
+from services.trainer.tinker_training import run_tinker
 
 log = structlog.get_logger("trainer")
 SERVICE = "trainer"
@@ -73,31 +85,32 @@ class Trainer:
                     log.warning("re-announced a version committed before a crash", job=job)
 
     async def handle(self, delivery: Delivery) -> None:
+        """Read the batch and its job, plan (``plan_batch``), then carry the plan out."""
         event: TrajectoryReady = TRAJECTORY.decode(delivery.data)
-        job, version = event.job, event.version
-        state = await read_job(self.bus, job)
-        if state is None:
-            log.error("batch for an unknown job; terminated", job=job, batch_id=event.batch_id)
+        snapshot = await read_job(self.bus, event.job)
+        state, committed = (snapshot.record.state, snapshot.committed) if snapshot else (None, None)
+        plan = plan_batch(event, state, committed)
+        if plan.message:
+            getattr(log, plan.level)(plan.message, **plan.fields)
+        if plan.action.drops:
             return await delivery.term()
-        record, committed = state.record, state.committed
-        if record.state.finished:
-            log.info("batch of a finished job; dropped", job=job, state=record.state.value)
-            return await delivery.term()
-        if event.version != committed.version:
-            if committed.version == version + 1 and committed.batch_id == event.batch_id:
-                await announce(self.bus, committed)  # committed, but the announcement was lost
-                return await delivery.ack()
-            log.warning("off-policy batch terminated", job=job, batch_version=version,
-                        committed_version=committed.version, batch_id=event.batch_id)
-            return await delivery.term()
+        if plan.action is BatchAction.REANNOUNCE:
+            await announce(self.bus, committed)
+            return await delivery.ack()
+        await self._train_and_commit(delivery, event, snapshot)
 
+    async def _train_and_commit(self, delivery: Delivery, event: TrajectoryReady, snapshot: JobSnapshot) -> None:
+        """Train the batch on the committed version, commit v+1 by compare-and-set against the
+        revision read, announce it, then ack: the commit protocol of the module docstring."""
+        job, version = event.job, event.version
+        record, committed = snapshot.record, snapshot.committed
         batch = event.batch if event.batch is not None else BATCH.decode(self.store.fetch(event.batch_ref))
         spec = record.spec
-        # the audit's record of what was trained from, taken from where each fact lives (the
-        # event, the batch as rollout wrote it, the adapter in memory), not from the check above
         # this attempt's own name: a crash before the commit trains the batch again, and a broker
         # restart can deliver it again under the same delivery count
         attempt = uuid.uuid4().hex
+        # the audit's record of what was trained from, taken from where each fact lives (the event,
+        # the batch as rollout wrote it, the adapter in memory), not from the plan's check
         async with span(self.bus, SERVICE, "train", job, version, batch_id=event.batch_id, attempt=attempt,
                         batch_version=event.version, sampled_version=batch.policy_version,
                         committed_version=committed.version, threads=torch.get_num_threads()) as attrs:
@@ -114,10 +127,11 @@ class Trainer:
             attrs["adapter_version"] = adapter_version
             attrs.update({k: v for k, v in result.metrics.items()})
         log.info("trained", job=job, version=version, batch_id=event.batch_id,
-                 reward=round(result.metrics.get("reward/mean", float("nan")), 4), loss=round(result.metrics["loss"], 4))
+                 reward=round(result.metrics.get("reward/mean", float("nan")), 4),
+                 loss=round(result.metrics["loss"], 4))
 
         latest = await read_job(self.bus, job)
-        if latest is None or latest.record.state.finished:  # cancelled while it trained
+        if not may_commit(latest.record.state if latest else None):  # cancelled while it trained
             self.policy.evict(job)
             log.info("job finished during training; update discarded", job=job, version=version)
             return await delivery.term()
@@ -125,7 +139,7 @@ class Trainer:
             try:
                 new = await asyncio.to_thread(self._write, committed, result, event.batch_id)
                 maybe_crash(self.fault_crash_p, "written, not committed")
-                await self.bus.kv_update(VERSIONS_BUCKET, job, encode(new), state.revision)
+                await self.bus.kv_update(VERSIONS_BUCKET, job, encode(new), snapshot.revision)
                 maybe_crash(self.fault_crash_p, "committed, not announced")
             except StaleRevision:
                 self.policy.evict(job)  # someone else committed v+1: our result is an orphan
@@ -199,6 +213,7 @@ async def run(rt: Runtime) -> None:
     log.info("ready", device=cfg.trainer.device, base_model=str(cfg.base_model_dir))
     await asyncio.gather(
         rt.bus.consume("TRAJ", "trainer", subjects.trajectory_ready(), trainer.handle,
-                       stop=rt.stop, ack_wait_s=rt.config.trainer.ack_wait_s, concurrency=1, on_give_up=trainer.give_up),
+                       stop=rt.stop, ack_wait_s=rt.config.trainer.ack_wait_s, concurrency=1,
+                       on_give_up=trainer.give_up),
         run_tinker(rt, policy),  # Tinker clients' requests, on the same policy (services/trainer/tinker_training.py)
     )

@@ -1,0 +1,66 @@
+"""What the trainer does with a trajectory batch: the pure core of its handler.
+
+A batch can arrive for a job the platform no longer knows, for a finished job, sampled
+from a version that is no longer the committed one (strict on-policy: never trained), or
+again after it was trained and committed but before its ack (a crash, a lost ack): then
+the commit stands and only its announcement may be missing, so it is announced again and
+the batch acked, not trained twice. Only a batch of the committed version is trained.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from marlaas.platform.events import CommittedVersion, JobState, TrajectoryReady
+
+
+class BatchAction(enum.Enum):
+    """What the batch asks of the trainer."""
+
+    TRAIN = "train"  # of the committed version: train it, commit v+1, announce, ack
+    DROP_UNKNOWN = "drop-unknown"  # no record or no committed version: terminate
+    DROP_FINISHED = "drop-finished"  # the job is completed, failed or cancelled: terminate
+    DROP_OFF_POLICY = "drop-off-policy"  # sampled from another version than the committed one: terminate
+    REANNOUNCE = "reannounce"  # this batch made the committed version: announce it again, ack
+
+    @property
+    def drops(self) -> bool:
+        """Whether the batch is terminated untrained."""
+        return self.name.startswith("DROP_")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The action, and the line to log for it (none for TRAIN and REANNOUNCE)."""
+
+    action: BatchAction
+    level: str = ""  # the structlog method: "error", "warning" or "info"
+    message: str = ""
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+def plan_batch(event: TrajectoryReady, state: JobState | None, committed: CommittedVersion | None) -> BatchPlan:
+    """The plan for ``event``, given the job's state and committed version (both None when the
+    job is unknown: its record or its ``versions`` entry is missing)."""
+    job = event.job
+    if state is None or committed is None:
+        return BatchPlan(BatchAction.DROP_UNKNOWN, "error", "batch for an unknown job; terminated",
+                         {"job": job, "batch_id": event.batch_id})
+    if state.finished:
+        return BatchPlan(BatchAction.DROP_FINISHED, "info", "batch of a finished job; dropped",
+                         {"job": job, "state": state.value})
+    if event.version == committed.version:
+        return BatchPlan(BatchAction.TRAIN)
+    if committed.version == event.version + 1 and committed.batch_id == event.batch_id:
+        return BatchPlan(BatchAction.REANNOUNCE)  # committed, but the announcement may be lost
+    return BatchPlan(BatchAction.DROP_OFF_POLICY, "warning", "off-policy batch terminated",
+                     {"job": job, "batch_version": event.version, "committed_version": committed.version,
+                      "batch_id": event.batch_id})
+
+
+def may_commit(state: JobState | None) -> bool:
+    """Whether an update trained for a job may be committed, given the job's state read after the
+    step (None: the job is gone): not if it finished (was cancelled, say) while the step ran."""
+    return state is not None and not state.finished
