@@ -102,7 +102,7 @@ async def owned(gateway: Gateway, tenant: TenantRecord, kind: str, ident: str, t
 
 async def check_quota(gateway: Gateway, subject: str, request: msgspec.Struct) -> str:
     """Have the manager record a session or model: it counts the tenant's quota and writes the
-    record in one step (``services/manager/job_admin.py``), so that concurrent creates, on any
+    record in one step (``services/manager/tinker_sessions.py``), so that concurrent creates, on any
     gateway replica, cannot race past it. Its id; 429 past the quota."""
     reply = await gateway.call(subject, request, api.TinkerReply)
     if reply.error:

@@ -18,19 +18,27 @@ history nobody needs or an orphan of a crashed or losing attempt. The plan delet
 Nothing of a version ``> latest`` is ever deleted (an attempt at it may be in flight),
 nor any key the plan does not recognise. A finished job follows the same rule: its
 last ``keep_last`` versions and pinned ones stay until its tenant deletes the job.
+
+The manager runs a job's collection every few commits and at its last (:class:`JobCollections`),
+and acknowledges a finished job's last announcement only once a pass succeeded
+(:func:`acknowledge_collected`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 
+import structlog
+
 from marlaas.platform import subjects
-from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
+from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery
 from marlaas.platform.events import COMMITTED, JOB_RECORD, POLICY
 from marlaas.platform.store import ObjectStore
 
+log = structlog.get_logger("manager")
 OBJECT_KINDS = ("adapters", "optimizer", "trajectories")
 _VERSION = re.compile(r"^v(\d{6,})$")
 
@@ -138,3 +146,65 @@ def _delete(store: ObjectStore, keys: list[str], doomed: list[str]) -> int:
                 store.delete(key)
             deleted += len(gone)
     return deleted
+
+
+class JobCollections:
+    """Each job's garbage collection passes, run in the background: passes of one job never overlap,
+    and a commit during a pass earns one more pass after it."""
+
+    def __init__(self, bus: Bus, store: ObjectStore, keep_last: int,
+                 in_background: Callable[[Coroutine], asyncio.Task]) -> None:
+        self.bus, self.store, self.keep_last = bus, store, keep_last
+        self.in_background = in_background
+        self._running: dict[str, asyncio.Task] = {}  # each job's running passes
+        self._again: set[str] = set()  # ... and committed again meanwhile
+
+    def request(self, job: str) -> asyncio.Task:
+        """Collect ``job`` (after its running pass, if any); the task of its passes, True when the
+        last one succeeded."""
+        if job in self._running:
+            self._again.add(job)  # one more pass once the running one ends
+            return self._running[job]
+        passes = self._running[job] = self.in_background(self._collect(job))
+        return passes
+
+    async def _collect(self, job: str) -> bool:
+        """Delete the job's objects no version needs; return whether the last pass succeeded (a
+        failure is logged; the next commit retries it)."""
+        try:
+            while True:
+                self._again.discard(job)
+                try:
+                    deleted = await collect_job(self.bus, self.store, job, self.keep_last)
+                    if deleted:
+                        log.info("garbage collected", job=job, objects=deleted)
+                    ok = True
+                except Exception:
+                    log.exception("garbage collection failed; the next commit retries it", job=job)
+                    ok = False
+                if job not in self._again:
+                    return ok
+        finally:
+            del self._running[job]
+
+
+async def acknowledge_collected(delivery: Delivery, job: str, passes: asyncio.Task) -> None:
+    """Ack a finished job's last announcement once a garbage collection pass succeeded.
+
+    No later commit retries a finished job's collection, so until then its announcement stays
+    unacknowledged: a failed pass naks it, and a manager killed during the pass leaves it to
+    be delivered again; either way it comes back and is collected again. The consumer goes on
+    with other announcements meanwhile (a pass over a large bucket can take a listing's time),
+    until its ``max_ack_pending`` (4) announcements wait unacknowledged at once.
+    """
+    try:
+        async with delivery.keep_alive():
+            ok = await asyncio.shield(passes)
+        if ok:
+            await delivery.ack()
+        else:
+            log.warning("the last garbage collection failed; retrying it", job=job,
+                        attempt=delivery.num_delivered)
+            await delivery.nak(min(delivery.num_delivered, 10))
+    except Exception:  # the broker is gone: the unsettled announcement comes back after AckWait
+        log.exception("could not settle the last announcement", job=job)
