@@ -26,8 +26,8 @@ from rich.table import Table
 from marlaas.platform.bus import JOBS_BUCKET, Bus
 from marlaas.platform.config import load_config
 from marlaas.platform.events import JobRecord, JobSpec, JobState, encode
-from marlaas.stack.launcher import Stack
 from marlaas.platform.tenants import add_tenant
+from marlaas.stack.launcher import Stack
 
 TENANT = "bench"
 

@@ -23,6 +23,7 @@ from rich.table import Table
 
 from marlaas.bench.runner import bench_stack, measure, warm_up
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", default="addition")

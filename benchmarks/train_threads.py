@@ -55,8 +55,8 @@ def main() -> None:
     from rich.progress import track
     from rich.table import Table
 
-    from marlaas.platform.adapters import init_adapter
     from marlaas.basemodel import builtin_model_dir
+    from marlaas.platform.adapters import init_adapter
     from marlaas.platform.events import GrpoSettings, LoraSettings
     from services.trainer.policy import PolicyTrainer
 

@@ -14,9 +14,9 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from marlaas.platform.nats_client import AdapterGone, BusClient
 from marlaas.platform.config import load_config
 from marlaas.platform.events import PolicyCommitted
+from marlaas.platform.nats_client import AdapterGone, BusClient
 from marlaas.sdk.discovery import running_nats_url
 from marlaas.tasks import get_task
 

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from marlaas.platform.bus import Bus
-from marlaas.stack.embedded_nats import EmbeddedNats
 from marlaas.platform.store import FileStore
+from marlaas.stack.embedded_nats import EmbeddedNats
 
 # what the suite starts: services, brokers, vLLM engine cores and servers, users' tool processes
 OURS = ("-m services.", "nats-server", "EngineCore", "vllm.entrypoints", "tools/acme_calculator.py",

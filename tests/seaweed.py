@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Self
 
 import urllib3
-from marlaas.platform.processes import kill_group, spawn
-from marlaas.stack.embedded_nats import free_ports
 from minio import Minio
 from minio.error import MinioException
+
+from marlaas.platform.processes import kill_group, spawn
+from marlaas.stack.embedded_nats import free_ports
 
 STOP_GRACE_S = 3.0  # weed's own stop waits 15 s on a filer gRPC stream; its data is throwaway
 UNIX_SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes; past that weed's sockets stay in /tmp

@@ -23,7 +23,8 @@ from marlaas.platform.runtime import Runtime
 from marlaas.platform.telemetry import span
 from marlaas.tasks import get_task
 from marlaas.tasks.matchers import MATCHERS
-from marlaas.tools.registry import reward_subject as builtin_reward_subject, serve_registrar
+from marlaas.tools.registry import reward_subject as builtin_reward_subject
+from marlaas.tools.registry import serve_registrar
 from marlaas.tools.serving import decode_reward_request
 from services.env.judge import JUDGE_SUBJECT, Judge
 from services.env.rewards import RewardBook, score_matched

@@ -30,9 +30,9 @@ from litestar.di import Provide
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
-from litestar.static_files import create_static_files_router
 from litestar.openapi.plugins import JsonRenderPlugin
 from litestar.openapi.spec import Components, SecurityScheme
+from litestar.static_files import create_static_files_router
 
 from marlaas.platform import api, subjects
 from marlaas.platform.bus import Bus

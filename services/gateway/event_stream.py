@@ -35,7 +35,13 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from marlaas.platform import subjects
 from marlaas.platform.bus import Bus
 from marlaas.platform.events import (
-    JOB, POLICY, EventDecodeError, JobEvaluated, JobState, JobStateChanged, PolicyCommitted,
+    JOB,
+    POLICY,
+    EventDecodeError,
+    JobEvaluated,
+    JobState,
+    JobStateChanged,
+    PolicyCommitted,
 )
 from services.gateway.reads import job_record, last_sequence, refused
 

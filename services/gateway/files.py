@@ -27,8 +27,17 @@ from litestar import Request, delete, get, post
 
 from marlaas.platform.bus import StaleRevision
 from marlaas.platform.files import (
-    FILES_BUCKET, FileHoldings, FileRefused, FileTooBig, JsonlCheck, delete_file, list_files, plan_reservation,
-    put_local_file, read_file_record, too_big,
+    FILES_BUCKET,
+    FileHoldings,
+    FileRefused,
+    FileTooBig,
+    JsonlCheck,
+    delete_file,
+    list_files,
+    plan_reservation,
+    put_local_file,
+    read_file_record,
+    too_big,
 )
 from marlaas.platform.http_api import FileDeleted, FileInfo
 from marlaas.platform.store import make_private_dirs

@@ -24,7 +24,13 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from marlaas.platform import subjects
 from marlaas.platform.bus import JOBS_BUCKET, Bus
 from marlaas.platform.events import (
-    JOB_RECORD, METRIC, POLICY, EventDecodeError, JobRecord, JobState, PolicyCommitted,
+    JOB_RECORD,
+    METRIC,
+    POLICY,
+    EventDecodeError,
+    JobRecord,
+    JobState,
+    PolicyCommitted,
 )
 from marlaas.platform.http_api import EvalInfo, JobInfo, PhaseSpan, VersionInfo
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import msgspec
 
 from marlaas.platform import api
-from marlaas.platform.http_api import PATH_FIELDS as DATA_FIELDS, is_file_id
+from marlaas.platform.http_api import PATH_FIELDS as DATA_FIELDS
+from marlaas.platform.http_api import is_file_id
 
 JSON_TYPES = ("application/json", "")  # no Content-Type: read as JSON
 TOML_TYPES = ("application/toml", "text/x-toml", "text/toml")

@@ -21,7 +21,12 @@ from marlaas.platform.tenants import TenantRecord
 from services.gateway.app import ApiError, gateway_of, not_found
 from services.gateway.event_stream import BadEventId, JobEvents, parse_event_id
 from services.gateway.reads import (
-    committed_versions, job_info, job_record, job_timeline, tenant_records, version_info,
+    committed_versions,
+    job_info,
+    job_record,
+    job_timeline,
+    tenant_records,
+    version_info,
 )
 from services.gateway.submission import SubmissionRefused, check_submission, parse_body
 

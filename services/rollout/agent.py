@@ -31,7 +31,14 @@ import structlog
 
 from marlaas.platform.events import TOOL, EventDecodeError, ToolCall, ToolResult, ToolSpec, encode
 from marlaas.tools.protocol import (
-    CALL_CLOSE, RESPONSE_CLOSE, RESPONSE_OPEN, TRUNCATED, CallError, ParsedCall, cut_result, escape_result,
+    CALL_CLOSE,
+    RESPONSE_CLOSE,
+    RESPONSE_OPEN,
+    TRUNCATED,
+    CallError,
+    ParsedCall,
+    cut_result,
+    escape_result,
     parse_call,
 )
 from marlaas.tools.registry import qualify, tool_subject

@@ -24,14 +24,28 @@ from marlaas.platform.adapters import attempt_prefix, materialize
 from marlaas.platform.bus import JOBS_BUCKET, SAMPLED_BUCKET, Bus, Delivery, PoisonMessage
 from marlaas.platform.commits import read_job, report_failure
 from marlaas.platform.events import (
-    JOB, JOB_RECORD, POLICY, REWARD, EventDecodeError, JobEvaluated, JobSpec, JobState, JobStateChanged,
-    PolicyCommitted, RewardItem, RewardRequest, Span, TrajectoryBatch, TrajectoryReady, encode,
+    JOB,
+    JOB_RECORD,
+    POLICY,
+    REWARD,
+    EventDecodeError,
+    JobEvaluated,
+    JobSpec,
+    JobState,
+    JobStateChanged,
+    PolicyCommitted,
+    RewardItem,
+    RewardRequest,
+    Span,
+    TrajectoryBatch,
+    TrajectoryReady,
+    encode,
 )
 from marlaas.platform.files import DataFiles, is_file_id
 from marlaas.platform.runtime import Runtime
 from marlaas.platform.store import ObjectStore
-from marlaas.tasks import Task, TaskError, get_task
 from marlaas.platform.telemetry import UTILIZATION_JOB, span
+from marlaas.tasks import Task, TaskError, get_task
 from marlaas.tools.registry import reward_subject
 from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
 from services.rollout.announcements import Reaction, plan_announcement

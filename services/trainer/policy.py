@@ -37,7 +37,13 @@ from marlaas.platform.adapters import CONFIG_FILE
 from marlaas.platform.events import GrpoSettings, Sample, TrajectoryBatch
 from services.trainer.fused_lora import fuse_lora_layers
 from services.trainer.grpo import (
-    GrpoLoss, group_advantages, grpo_loss, head_logprobs, micro_batches, scored_positions, token_logprobs,
+    GrpoLoss,
+    group_advantages,
+    grpo_loss,
+    head_logprobs,
+    micro_batches,
+    scored_positions,
+    token_logprobs,
 )
 
 

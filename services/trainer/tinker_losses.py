@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from marlaas.platform.tinker_records import LOSSES
+
 INPUTS = {
     "cross_entropy": ("target_tokens", "weights"),
     "importance_sampling": ("target_tokens", "logprobs", "advantages"),

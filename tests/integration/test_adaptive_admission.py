@@ -8,10 +8,10 @@ import asyncio
 import pytest
 
 from marlaas.platform.bus import Bus
-from marlaas.platform.nats_client import BusClient
 from marlaas.platform.config import load_config
-from marlaas.stack.launcher import Stack
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.telemetry import read_spans
+from marlaas.stack.launcher import Stack
 from services.manager.adaptive import SETTLE_STEPS
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`

@@ -21,11 +21,11 @@ import pytest
 
 from marlaas.platform.audit import audit_training
 from marlaas.platform.bus import Bus
-from marlaas.platform.nats_client import ApiError, BusClient
 from marlaas.platform.config import load_config
 from marlaas.platform.events import TRAJECTORY
-from marlaas.stack.launcher import Stack
+from marlaas.platform.nats_client import ApiError, BusClient
 from marlaas.platform.telemetry import read_spans
+from marlaas.stack.launcher import Stack
 from marlaas.tools.protocol import RESPONSE_CLOSE, RESPONSE_OPEN
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`

@@ -9,10 +9,10 @@ import pytest
 
 from marlaas.platform.audit import audit_training, gaps_by_version
 from marlaas.platform.bus import Bus
-from marlaas.platform.nats_client import BusClient
 from marlaas.platform.config import load_config
-from marlaas.stack.launcher import Stack
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.telemetry import read_spans
+from marlaas.stack.launcher import Stack
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 

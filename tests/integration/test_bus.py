@@ -11,11 +11,11 @@ from collections import Counter
 import nats.errors
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
+from polling import eventually
 
 from marlaas.platform.bus import Bus, Delivery, KvEntry, PoisonMessage, StaleRevision
-from marlaas.stack.embedded_nats import EmbeddedNats
 from marlaas.platform.events import JOB
-from polling import eventually
+from marlaas.stack.embedded_nats import EmbeddedNats
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from marlaas.platform.bus import Bus
-from marlaas.platform.nats_client import BusClient
 from marlaas.platform.config import load_config
 from marlaas.platform.events import POLICY
+from marlaas.platform.nats_client import BusClient
 from marlaas.stack.launcher import Stack
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`

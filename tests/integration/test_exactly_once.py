@@ -12,12 +12,12 @@ import pytest
 
 from marlaas.platform.audit import audit_training
 from marlaas.platform.bus import VERSIONS_BUCKET, Bus
-from marlaas.platform.nats_client import BusClient
 from marlaas.platform.commits import announce
 from marlaas.platform.config import load_config
 from marlaas.platform.events import COMMITTED
-from marlaas.stack.launcher import Stack
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.telemetry import read_spans
+from marlaas.stack.launcher import Stack
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 

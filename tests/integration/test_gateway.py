@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,10 +21,10 @@ import pytest
 from marlaas.platform import subjects
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
 from marlaas.platform.config import load_config
-from marlaas.stack.launcher import SERVICES, Stack
-from marlaas.sdk import BadRequest, Client, NotFound, QuotaExceeded, Unauthorized
 from marlaas.platform.store import open_store
 from marlaas.platform.tenants import add_tenant, revoke_tenant
+from marlaas.sdk import BadRequest, Client, NotFound, QuotaExceeded, Unauthorized
+from marlaas.stack.launcher import SERVICES, Stack
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 

@@ -23,9 +23,9 @@ import pytest
 
 from marlaas.basemodel import char_model_dir
 from marlaas.platform.config import load_config
-from marlaas.stack.embedded_nats import free_port
 from marlaas.platform.events import REWARD, RewardItem, RewardRequest, RewardResult, encode
 from marlaas.platform.runtime import Runtime
+from marlaas.stack.embedded_nats import free_port
 from marlaas.tools.registry import reward_subject
 from services.env import service as env_service
 from services.env.judge import Judge

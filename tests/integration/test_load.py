@@ -15,11 +15,11 @@ import pytest
 
 from marlaas.platform.audit import audit_training
 from marlaas.platform.bus import Bus
-from marlaas.platform.nats_client import BusClient
 from marlaas.platform.config import load_config
 from marlaas.platform.events import POLICY
-from marlaas.stack.launcher import Stack
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.telemetry import read_spans
+from marlaas.stack.launcher import Stack
 
 JOBS, STEPS = 32, 2
 TASKS = ("addition", "reverse", "repeat")

@@ -15,17 +15,26 @@ import time
 
 import msgspec
 import pytest
+from polling import eventually
 
 from marlaas.platform import api, subjects
 from marlaas.platform.adapters import write_adapter
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
 from marlaas.platform.config import load_config
 from marlaas.platform.events import (
-    COMMITTED, JOB, JOB_RECORD, POLICY, CommittedVersion, JobRecord, JobSpec, JobState, JobStateChanged,
-    PolicyCommitted, encode,
+    COMMITTED,
+    JOB,
+    JOB_RECORD,
+    POLICY,
+    CommittedVersion,
+    JobRecord,
+    JobSpec,
+    JobState,
+    JobStateChanged,
+    PolicyCommitted,
+    encode,
 )
 from marlaas.platform.store import FileStore
-from polling import eventually
 from services.manager.service import Manager, _reply
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,17 +16,17 @@ from collections import Counter
 
 import nats
 import pytest
+from tenant_admin import tenant_cli_ok
 
+from marlaas.cli.commands import build_parser
 from marlaas.platform import nats_access
 from marlaas.platform.bus import BUCKETS, STREAMS, Bus, Delivery, StaleRevision
-from marlaas.platform.nats_client import FINISHED, BusClient
 from marlaas.platform.commits import read_job
 from marlaas.platform.config import load_config, read_config_json
-from marlaas.stack.embedded_nats import EmbeddedNatsCluster
 from marlaas.platform.events import POLICY
-from marlaas.cli.commands import build_parser
+from marlaas.platform.nats_client import FINISHED, BusClient
+from marlaas.stack.embedded_nats import EmbeddedNatsCluster
 from marlaas.stack.launcher import Stack, StackError
-from tenant_admin import tenant_cli_ok
 
 pytestmark = pytest.mark.timeout(240)
 

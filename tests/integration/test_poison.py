@@ -16,20 +16,31 @@ import time
 import msgspec
 import nats.errors
 import pytest
+from polling import eventually
 from structlog.testing import capture_logs
 
+from marlaas.basemodel import builtin_model_dir
 from marlaas.platform import api, subjects
 from marlaas.platform.adapters import init_adapter, write_adapter
-from marlaas.basemodel import builtin_model_dir
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
 from marlaas.platform.config import load_config
 from marlaas.platform.events import (
-    JOB_RECORD, CommittedVersion, EvalPoint, JobEvaluated, JobFailureReported, JobRecord, JobSpec, JobState,
-    PolicyCommitted, Sample, TrajectoryBatch, TrajectoryReady, encode,
+    JOB_RECORD,
+    CommittedVersion,
+    EvalPoint,
+    JobEvaluated,
+    JobFailureReported,
+    JobRecord,
+    JobSpec,
+    JobState,
+    PolicyCommitted,
+    Sample,
+    TrajectoryBatch,
+    TrajectoryReady,
+    encode,
 )
 from marlaas.tools.registry import reward_subject
 from marlaas.tools.serving import answer_reward_request, reward
-from polling import eventually
 from services.manager.service import Manager, _reply
 
 pytestmark = pytest.mark.timeout(180)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import re
-import json
 import statistics
 import subprocess
 import sys
@@ -24,11 +24,11 @@ import pytest
 
 from marlaas.platform.audit import MAX_LOGPROB_GAP, audit_training, gaps_by_version
 from marlaas.platform.bus import Bus
-from marlaas.platform.nats_client import ApiError, BusClient
 from marlaas.platform.config import load_config
 from marlaas.platform.events import POLICY, PolicyCommitted
-from marlaas.stack.launcher import Stack
+from marlaas.platform.nats_client import ApiError, BusClient
 from marlaas.platform.telemetry import read_spans
+from marlaas.stack.launcher import Stack
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 

@@ -19,24 +19,35 @@ import uuid
 from collections import Counter
 
 import msgspec
+import polling
 import psutil
 import pytest
 
+from marlaas.basemodel import builtin_model_dir
 from marlaas.platform import subjects
 from marlaas.platform.adapters import init_adapter, write_adapter
-from marlaas.basemodel import builtin_model_dir
 from marlaas.platform.bus import JOBS_BUCKET, SAMPLED_BUCKET, VERSIONS_BUCKET, Bus
 from marlaas.platform.config import load_config
-from marlaas.stack.embedded_nats import EmbeddedNats
 from marlaas.platform.events import (
-    BATCH, JOB, TRAJECTORY, CommittedVersion, GrpoSettings, JobFailureReported, JobRecord, JobSpec, JobState,
-    PolicyCommitted, RewardResult, TrajectoryReady, encode,
+    BATCH,
+    JOB,
+    TRAJECTORY,
+    CommittedVersion,
+    GrpoSettings,
+    JobFailureReported,
+    JobRecord,
+    JobSpec,
+    JobState,
+    PolicyCommitted,
+    RewardResult,
+    TrajectoryReady,
+    encode,
 )
-from marlaas.stack.launcher import Stack
 from marlaas.platform.store import FileStore
+from marlaas.stack.embedded_nats import EmbeddedNats
+from marlaas.stack.launcher import Stack
 from marlaas.tools.registry import reward_subject
 from marlaas.tools.serving import answer_reward_request, decode_reward_request, reward
-import polling
 from services.env.rewards import RewardBook
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.stack]

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from marlaas.platform.nats_client import BusClient
 from marlaas.platform.config import load_config
-from marlaas.stack.launcher import Stack
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.store import S3Store
+from marlaas.stack.launcher import Stack
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 

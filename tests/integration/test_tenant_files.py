@@ -23,8 +23,8 @@ from marlaas.platform.bus import JOBS_BUCKET
 from marlaas.platform.config import load_config
 from marlaas.platform.events import JOB_RECORD, RewardItem, RewardRequest
 from marlaas.platform.files import DataFiles, FileMissing, file_id_of, put_file
-from marlaas.sdk import Client
 from marlaas.platform.tenants import add_tenant
+from marlaas.sdk import Client
 from marlaas.tasks import get_task
 from services.env.rewards import RewardBook
 from services.gateway.app import Gateway, create_app

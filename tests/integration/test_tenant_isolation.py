@@ -17,17 +17,17 @@ import nats
 import nats.errors
 import pytest
 from nats.js.api import ConsumerConfig
+from tenant_admin import tenant_cli
 
-from marlaas.stack import broker_auth
 from marlaas.platform import nats_access
 from marlaas.platform.bus import Bus
 from marlaas.platform.config import load_config
 from marlaas.platform.events import RewardItem, RewardRequest, ToolCall, ToolSpec, encode
-from marlaas.stack.launcher import Stack
 from marlaas.platform.tenants import TenantError
+from marlaas.stack import broker_auth
+from marlaas.stack.launcher import Stack
 from marlaas.tools import registry, sdk
 from marlaas.tools.serving import reward, serve_async, tool
-from tenant_admin import tenant_cli
 
 pytestmark = pytest.mark.timeout(60)
 

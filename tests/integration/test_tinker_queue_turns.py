@@ -10,10 +10,10 @@ import contextlib
 
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
+from polling import eventually
 
 from marlaas.platform.bus import Bus, Delivery
 from marlaas.platform.tenant_turns import TenantQueues
-from polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 SUBJECT = "marlaas.tinker.train"

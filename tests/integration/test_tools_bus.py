@@ -15,13 +15,13 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from polling import eventually
 
 from marlaas.platform.bus import Bus
 from marlaas.platform.config import load_config
 from marlaas.platform.events import REWARD, TOOL, RewardItem, RewardRequest, ToolCall, ToolResult, encode
 from marlaas.tools import list_tools, read_tool, tool_subject
 from marlaas.tools.registry import reward_subject, serve_registrar
-from polling import eventually
 from services.env.tools import serve_builtin_tools
 
 pytestmark = pytest.mark.timeout(120)

@@ -28,14 +28,28 @@ from safetensors.torch import load as load_safetensors
 from structlog.testing import capture_logs
 
 import services.trainer.service as trainer_service
+from marlaas.basemodel import builtin_model_dir
 from marlaas.platform import api, subjects
 from marlaas.platform.adapters import init_adapter, read_adapter, write_adapter
-from marlaas.basemodel import builtin_model_dir
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery
 from marlaas.platform.config import load_config
 from marlaas.platform.events import (
-    COMMITTED, JOB, JOB_RECORD, POLICY, TRAJECTORY, CommittedVersion, GrpoSettings, JobRecord, JobSpec, JobState,
-    JobStateChanged, LoraSettings, Sample, TrajectoryBatch, TrajectoryReady, encode,
+    COMMITTED,
+    JOB,
+    JOB_RECORD,
+    POLICY,
+    TRAJECTORY,
+    CommittedVersion,
+    GrpoSettings,
+    JobRecord,
+    JobSpec,
+    JobState,
+    JobStateChanged,
+    LoraSettings,
+    Sample,
+    TrajectoryBatch,
+    TrajectoryReady,
+    encode,
 )
 from marlaas.platform.store import FileStore
 from marlaas.platform.telemetry import read_spans

@@ -10,8 +10,7 @@ import uuid
 import pytest
 
 from marlaas.platform.files import put_local_file, read_file_record
-from marlaas.platform.store import S3_PART_BYTES
-from marlaas.platform.store import FileStore, S3Store
+from marlaas.platform.store import S3_PART_BYTES, FileStore, S3Store
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -44,14 +44,22 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
 import services.trainer.service as trainer_service
+from marlaas.basemodel import builtin_model_dir
 from marlaas.platform import api, subjects
 from marlaas.platform.audit import audit_training
-from marlaas.basemodel import builtin_model_dir
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery
 from marlaas.platform.commits import announce, read_job
 from marlaas.platform.config import load_config
 from marlaas.platform.events import (
-    COMMITTED, JOB_RECORD, METRIC, POLICY, TRAJECTORY, JobState, Sample, TrajectoryBatch, encode,
+    COMMITTED,
+    JOB_RECORD,
+    METRIC,
+    POLICY,
+    TRAJECTORY,
+    JobState,
+    Sample,
+    TrajectoryBatch,
+    encode,
 )
 from marlaas.platform.store import FileStore
 from services.manager.service import Manager

@@ -10,8 +10,16 @@ import pytest
 
 from marlaas.platform.bus import JOBS_BUCKET
 from marlaas.platform.events import (
-    Blob, JobEvaluated, JobFailureReported, JobRecord, JobSpec, JobState, JobStateChanged, JobSubmitted,
-    PolicyCommitted, encode,
+    Blob,
+    JobEvaluated,
+    JobFailureReported,
+    JobRecord,
+    JobSpec,
+    JobState,
+    JobStateChanged,
+    JobSubmitted,
+    PolicyCommitted,
+    encode,
 )
 from marlaas.sdk.http import parse_sse
 from services.gateway.event_stream import job_events, parse_event_id

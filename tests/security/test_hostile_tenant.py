@@ -26,16 +26,16 @@ import nats.errors
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tenant_admin import tenant_cli_ok
 
-from marlaas.stack import broker_auth
 from marlaas.platform import nats_access
 from marlaas.platform.bus import JOBS_BUCKET, Bus
 from marlaas.platform.config import load_config
 from marlaas.platform.events import JOB_RECORD, ToolSpec, encode
-from marlaas.stack.launcher import SERVICES, Stack
-from marlaas.sdk import BadRequest, Client
 from marlaas.platform.tenants import TenantError
-from tenant_admin import tenant_cli_ok
+from marlaas.sdk import BadRequest, Client
+from marlaas.stack import broker_auth
+from marlaas.stack.launcher import SERVICES, Stack
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(300)]
 

@@ -8,10 +8,10 @@ import stat
 import subprocess
 import sys
 
-from marlaas.stack import launcher
 from marlaas.platform.config import load_config
-from marlaas.stack.launcher import Stack
 from marlaas.platform.store import FileStore
+from marlaas.stack import launcher
+from marlaas.stack.launcher import Stack
 from services.gateway.service import operator_token
 
 

@@ -2,9 +2,9 @@
 
 import json
 
-from marlaas.platform.events import JobRecord, JobSpec, JobState
 import msgspec
 
+from marlaas.platform.events import JobRecord, JobSpec, JobState
 from services.manager.adaptive import SETTLE_MAX_S, AdaptiveAdmission
 from services.manager.admission import job_footprint, kv_bytes_per_token, to_admit
 

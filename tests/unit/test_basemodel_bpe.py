@@ -10,7 +10,13 @@ from transformers import AutoConfig, AutoTokenizer
 from marlaas.basemodel import builtin_model_dir
 from marlaas.basemodel.chat_tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, TAG_TOKENS, train_tokenizer
 from marlaas.basemodel.synthetic import (
-    CALCULATOR, Corpus, fingerprint, heldout_episodes, heldout_tools, make_tools, split_of,
+    CALCULATOR,
+    Corpus,
+    fingerprint,
+    heldout_episodes,
+    heldout_tools,
+    make_tools,
+    split_of,
 )
 
 TOOL = {"type": "function", "function": {

@@ -7,9 +7,9 @@ import re
 import bcrypt
 import pytest
 
-from marlaas.stack import broker_auth
 from marlaas.platform import nats_access
 from marlaas.platform.tenants import TenantError, check_tenant_name, new_token, tenant_of_token
+from marlaas.stack import broker_auth
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -13,10 +13,10 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from marlaas.stack import broker_auth
 from marlaas.platform import nats_access
-from marlaas.stack.admin import add_tenant_commands
 from marlaas.platform.config import load_config
+from marlaas.stack import broker_auth
+from marlaas.stack.admin import add_tenant_commands
 from marlaas.stack.broker_auth import find_server_binary
 
 pytestmark = pytest.mark.timeout(60)

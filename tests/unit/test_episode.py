@@ -7,7 +7,13 @@ from transformers import AutoTokenizer
 
 from marlaas.basemodel import builtin_model_dir, char_model_dir
 from marlaas.tools.protocol import (
-    CallError, ParsedCall, escape_result, final_answer, observation_text, parse_call, render_call,
+    CallError,
+    ParsedCall,
+    escape_result,
+    final_answer,
+    observation_text,
+    parse_call,
+    render_call,
 )
 from services.rollout.agent import ConversationFormat
 from services.rollout.episode import Episode, episode_metrics

@@ -11,10 +11,20 @@ from hypothesis import strategies as st
 
 from marlaas.platform import api
 from marlaas.platform.events import (
-    BATCH, COMMITTED, JOB, JOB_RECORD, METRIC, POLICY, REWARD, TOOL, TRAJECTORY, Blob, EventDecodeError,
-    PolicyCommitted, encode,
+    BATCH,
+    COMMITTED,
+    JOB,
+    JOB_RECORD,
+    METRIC,
+    POLICY,
+    REWARD,
+    TOOL,
+    TRAJECTORY,
+    Blob,
+    EventDecodeError,
+    PolicyCommitted,
+    encode,
 )
-
 
 CODECS = [JOB, POLICY, TRAJECTORY, TOOL, REWARD, METRIC, BATCH, COMMITTED, JOB_RECORD]
 json_values = st.recursive(

@@ -9,7 +9,12 @@ import tracemalloc
 import pytest
 
 from marlaas.platform.files import (
-    RESERVATION_GRACE_S, FileRefused, FileTooBig, JsonlCheck, count_records, plan_reservation,
+    RESERVATION_GRACE_S,
+    FileRefused,
+    FileTooBig,
+    JsonlCheck,
+    count_records,
+    plan_reservation,
 )
 from services.gateway.app import MAX_JSON_NESTING, ApiError, Slots, json_object, path_problem
 

@@ -9,10 +9,10 @@ import tarfile
 
 import pytest
 
-from marlaas.platform.events import JobRecord, JobSpec, JobState
 from marlaas.cli.report import step_times
-from marlaas.sdk.http import parse_sse
+from marlaas.platform.events import JobRecord, JobSpec, JobState
 from marlaas.platform.http_api import VersionInfo
+from marlaas.sdk.http import parse_sse
 from services.gateway.event_stream import BadEventId, parse_event_id, sse
 from services.gateway.reads import job_info, owned_job_id, queue_positions
 from services.gateway.submission import SubmissionRefused, check_submission, parse_body

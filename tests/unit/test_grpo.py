@@ -3,7 +3,12 @@
 import torch
 
 from services.trainer.grpo import (
-    group_advantages, grpo_loss, head_logprobs, micro_batches, scored_positions, token_logprobs,
+    group_advantages,
+    grpo_loss,
+    head_logprobs,
+    micro_batches,
+    scored_positions,
+    token_logprobs,
 )
 
 

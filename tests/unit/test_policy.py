@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from marlaas.platform.adapters import init_adapter
 from marlaas.basemodel import builtin_model_dir
+from marlaas.platform.adapters import init_adapter
 from marlaas.platform.events import GrpoSettings, LoraSettings, Sample, TrajectoryBatch
 from services.trainer import policy
 from services.trainer.policy import NonFiniteUpdate, PolicyTrainer, find_decoder_and_head, torch_threads

@@ -80,7 +80,8 @@ def platform_patterns() -> dict[str, re.Pattern]:
 def literals(pattern: re.Pattern) -> tuple[list[str], list[str]]:
     """The literal words of ``pattern`` (runs of literal characters, in order) and every single
     character it names (literals and the ends of classes' ranges)."""
-    from re import _constants as c, _parser
+    from re import _constants as c
+    from re import _parser
 
     words, chars, run = [], set(), []
 

@@ -3,8 +3,8 @@
 
 import pytest
 
-from marlaas.platform.api import SubmitError, parse_submission
 from marlaas.cli.commands import build_parser, submission_from_args
+from marlaas.platform.api import SubmitError, parse_submission
 
 
 def test_submission_defaults_and_overrides():

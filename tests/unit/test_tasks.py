@@ -4,11 +4,11 @@ import json
 
 import pytest
 
+from marlaas.platform.events import RewardItem, RewardRequest
 from marlaas.tasks import REGISTRY, TaskError, get_task
 from marlaas.tasks.base import char_match
 from marlaas.tasks.gsm8k import final_answer
 from services.env.rewards import RewardBook
-from marlaas.platform.events import RewardItem, RewardRequest
 
 
 def test_problems_are_reproducible_from_the_seed():

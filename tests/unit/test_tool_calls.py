@@ -13,7 +13,13 @@ from transformers import AutoTokenizer
 
 from marlaas.basemodel import builtin_model_dir, char_model_dir
 from marlaas.tools.protocol import (
-    CHARS_PER_TOKEN, MAX_CALL_CHARS, MAX_CALL_DEPTH, CallError, ParsedCall, parse_call, render_call,
+    CHARS_PER_TOKEN,
+    MAX_CALL_CHARS,
+    MAX_CALL_DEPTH,
+    CallError,
+    ParsedCall,
+    parse_call,
+    render_call,
 )
 from services.rollout.agent import ConversationFormat
 from services.rollout.episode import Episode, settle_truncated, to_score

@@ -111,7 +111,6 @@ def test_register_swaps_the_cpu_wrapper_ops_only_when_asked(monkeypatch):
     from vllm.lora.punica_wrapper import punica_cpu
 
     from marlaas import vllm_plugin
-
     from marlaas.vllm_plugin import fused_linear
 
     # vLLM's own ops and method, even when an earlier test in this process loaded the plugin

@@ -223,9 +223,10 @@ def main(argv: list[str] | None = None) -> None:
     wall0, cpu0 = time.perf_counter(), time.process_time()
 
     sample = Corpus(SEED + 100).episodes(TOKENIZER_EPISODES)
-    from transformers import PreTrainedTokenizerFast  # a template-only tokenizer renders the corpus
-    from marlaas.basemodel.chat_tokenizer import CHAT_TEMPLATE
     from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast  # a template-only tokenizer renders the corpus
+
+    from marlaas.basemodel.chat_tokenizer import CHAT_TEMPLATE
 
     renderer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()))
     renderer.chat_template = CHAT_TEMPLATE

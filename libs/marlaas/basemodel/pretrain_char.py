@@ -47,8 +47,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import random
+import re
 import string
 import time
 from pathlib import Path

@@ -29,11 +29,11 @@ from pathlib import Path
 from marlaas.platform import subjects
 from marlaas.platform.audit import audit_training
 from marlaas.platform.bus import Bus
-from marlaas.platform.nats_client import BusClient
 from marlaas.platform.config import load_config
 from marlaas.platform.events import POLICY
-from marlaas.stack.launcher import Stack
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.telemetry import read_spans
+from marlaas.stack.launcher import Stack
 
 VICTIMS = {"trainer": 4, "env": 2, "manager": 2, "rollout": 1}  # relative odds of each kill
 TASKS = ("addition", "reverse", "repeat")

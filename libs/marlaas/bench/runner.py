@@ -28,10 +28,10 @@ import msgspec
 from marlaas.bench.metrics import run_metrics, timeline
 from marlaas.bench.workload import BASELINE_LOOP, MODES, WORKLOAD_DIR, Workload
 from marlaas.platform.bus import Bus
-from marlaas.platform.nats_client import BusClient
 from marlaas.platform.config import load_config
-from marlaas.stack.launcher import Stack
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.telemetry import read_spans
+from marlaas.stack.launcher import Stack
 
 Progress = Callable[[str, int, int], None]  # (label, steps done, steps in all)
 SPAN_FLUSH_S = 2.5  # rollout publishes engine intervals every 2 s: wait for the last ones

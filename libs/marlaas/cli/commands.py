@@ -22,7 +22,6 @@ import msgspec
 
 from marlaas.platform.config import ConfigError, load_config
 
-
 DOWN_WAIT_S = 180.0  # `down`: how long the stack may take to drain and stop
 
 
@@ -194,8 +193,8 @@ def cmd_tasks(args, config) -> int:
 
 def submission_from_args(args) -> dict:
     """Merge a TOML job file with flags (flags win); ``--set grpo.learning_rate=1e-3`` style too."""
-    from marlaas.sdk.http import BadRequest, read_job_file
     from marlaas.platform.http_api import PATH_FIELDS, is_file_id
+    from marlaas.sdk.http import BadRequest, read_job_file
 
     job: dict = {}
     if args.file:

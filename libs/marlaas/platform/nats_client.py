@@ -11,11 +11,10 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import msgspec
+from nats.js.api import DeliverPolicy
 
 from marlaas.platform import api, subjects
 from marlaas.platform.bus import Bus
-from nats.js.api import DeliverPolicy
-
 from marlaas.platform.events import JOB, POLICY, TRAJECTORY, JobState, JobStateChanged, PolicyCommitted, TrajectoryReady
 
 FINISHED = {s.value for s in JobState if s.finished}

@@ -303,9 +303,8 @@ class S3Store(ObjectStore):
         """``bucket_exists``, waiting up to ``wait_s`` for the server to answer: in a deployment
         the services may start before the object store does (found by `make deploy-test`, where a
         replica that gave up at once was never restarted)."""
-        from urllib3.exceptions import HTTPError
-
         import structlog
+        from urllib3.exceptions import HTTPError
 
         deadline, told = time.monotonic() + wait_s, False
         while True:

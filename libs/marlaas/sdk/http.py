@@ -31,11 +31,21 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from marlaas.sdk import discovery
 from marlaas.platform.http_api import (
-    Cancelled, Deleted, Event, FileDeleted, FileInfo, JobInfo, PhaseSpan, Pinned, Submitted, VersionInfo,
+    PATH_FIELDS,
+    Cancelled,
+    Deleted,
+    Event,
+    FileDeleted,
+    FileInfo,
+    JobInfo,
+    PhaseSpan,
+    Pinned,
+    Submitted,
+    VersionInfo,
+    is_file_id,
 )
-from marlaas.platform.http_api import PATH_FIELDS, is_file_id
+from marlaas.sdk import discovery
 
 
 class MarlaasError(RuntimeError):

@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from marlaas.stack import broker_auth
 from marlaas.platform import nats_access
 from marlaas.platform.config import Config
+from marlaas.stack import broker_auth
 
 AUTH_FILE_ENV = "MARLAAS_NATS_AUTH_FILE"
 SERVICES_PASSWORD_ENV = "MARLAAS_NATS_PASSWORD"

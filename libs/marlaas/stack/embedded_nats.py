@@ -30,10 +30,9 @@ from pathlib import Path
 
 import structlog
 
-from marlaas.stack.broker_auth import write_private
 from marlaas.platform.nats_access import PLATFORM_ACCOUNT
 from marlaas.platform.processes import spawn
-from marlaas.stack.broker_auth import find_server_binary
+from marlaas.stack.broker_auth import find_server_binary, write_private
 
 log = structlog.get_logger("marlaas.nats")
 

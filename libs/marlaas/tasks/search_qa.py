@@ -29,7 +29,7 @@ import string
 from collections import Counter
 from pathlib import Path
 
-from marlaas.tasks.base import json_records, Task, TaskError
+from marlaas.tasks.base import Task, TaskError, json_records
 from marlaas.tools.protocol import final_answer, without_thinking
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")

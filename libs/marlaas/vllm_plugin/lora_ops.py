@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-
 Groups = list[tuple[int, "torch.Tensor | None"]]  # (adapter slot, its token rows; None = every token)
 
 

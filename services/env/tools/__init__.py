@@ -25,8 +25,14 @@ from marlaas.platform.files import DataFiles, FileMissing, is_file_id
 from marlaas.tools import BUILTIN, DEFAULT_CORPUS, ServedTools, Tool, ToolError, serve_tools, tool
 from services.env.tools.calculator import CalculatorError, calculate, format_value
 from services.env.tools.latency import InjectedLatency
-from services.env.tools.python_sandbox import (Isolation, SandboxError, SandboxLimits, SandboxUnavailable,
-                                               check_isolation, run_python)
+from services.env.tools.python_sandbox import (
+    Isolation,
+    SandboxError,
+    SandboxLimits,
+    SandboxUnavailable,
+    check_isolation,
+    run_python,
+)
 from services.env.tools.sandbox_turns import CALLING_TENANT, RunCaps, RunTurns, TenantTaggingBus
 
 if TYPE_CHECKING:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import bm25s
+
 from marlaas.tasks.base import json_records
 
 logging.getLogger("bm25s").setLevel(logging.WARNING)  # bm25s sets its own logger to DEBUG
