@@ -26,7 +26,8 @@ from marlaas.platform.events import RewardItem, RewardRequest, ToolCall, ToolSpe
 from marlaas.platform.tenants import TenantError
 from marlaas.stack import broker_auth
 from marlaas.stack.launcher import Stack
-from marlaas.tools import registry, sdk
+from marlaas.tools import registry
+from marlaas.tools import serving as tool_serving
 from marlaas.tools.serving import reward, serve_async, tool
 
 pytestmark = pytest.mark.timeout(60)
@@ -272,7 +273,7 @@ def length(problem: dict, completion: str) -> float:
 
 async def test_a_tenant_serves_and_announces_its_own_tools_with_its_token(stack, tokens, services):
     with pytest.raises(ValueError, match="not tenant 'other'"):
-        sdk.broker_url("other", plain_url(stack), tokens["acme"])
+        tool_serving.broker_url("other", plain_url(stack), tokens["acme"])
     stop = asyncio.Event()
     serving = asyncio.create_task(serve_async(shout, length, tenant="acme", nats_url=plain_url(stack),
                                               token=tokens["acme"], stop=stop))
@@ -377,14 +378,14 @@ def test_the_sdk_finds_the_embedded_broker_and_the_default_tenants_token(stack, 
     for var in ("MARLAAS_NATS_URL", "MARLAAS_CONFIG", "MARLAAS_TOKEN"):
         monkeypatch.delenv(var, raising=False)
     token = (stack.run_dir / "default-tenant.token").read_text()
-    assert sdk.broker_url("default") == nats_access.url_with_credentials(plain_url(stack), "default", token)
+    assert tool_serving.broker_url("default") == nats_access.url_with_credentials(plain_url(stack), "default", token)
     with pytest.raises(ValueError, match="needs its token"):
-        sdk.broker_url("acme")  # never the services' URL by accident
+        tool_serving.broker_url("acme")  # never the services' URL by accident
     monkeypatch.setenv("MARLAAS_TOKEN", "mlt_acme_" + "1" * 32)
-    assert nats_access.url_credentials(sdk.broker_url("acme")) == ("acme", "mlt_acme_" + "1" * 32)
+    assert nats_access.url_credentials(tool_serving.broker_url("acme")) == ("acme", "mlt_acme_" + "1" * 32)
     monkeypatch.delenv("MARLAAS_TOKEN")
     monkeypatch.setenv("MARLAAS_NATS_URL", stack.nats_url)  # an explicit URL keeps its credentials
-    assert sdk.broker_url("acme") == stack.nats_url
+    assert tool_serving.broker_url("acme") == stack.nats_url
 
 
 async def test_a_wrong_token_fails_to_connect_with_a_clear_error(stack):
@@ -395,7 +396,7 @@ async def test_a_wrong_token_fails_to_connect_with_a_clear_error(stack):
 
 
 async def test_a_revoked_tenants_tool_process_stops_serving(stack, services, monkeypatch):
-    monkeypatch.setattr(sdk, "REFUSED_GIVE_UP_S", 0.5)
+    monkeypatch.setattr(tool_serving, "REFUSED_GIVE_UP_S", 0.5)
     code, out = await asyncio.to_thread(tenant_cli, stack.home, "add", "epsilon")
     serving = asyncio.create_task(serve_async(shout, tenant="epsilon", nats_url=plain_url(stack),
                                               token=out["token"], stop=asyncio.Event()))

@@ -44,10 +44,21 @@ VICTIM = {"task": "reverse", "steps": 10, "seed": 3, "name": "victim",
           "grpo": {"prompts_per_step": 4, "group_size": 4}}
 SMALL = {"task": "reverse", "steps": 2, "seed": 4, "grpo": {"prompts_per_step": 2, "group_size": 2}}
 GIVE_UP_S = 8.0
+KEY_SYSCALLS = {"x86_64": (248, 250), "aarch64": (217, 219)}  # add_key, keyctl
 
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def join_a_session_keyring() -> None:
+    """Give this process (and so the stack's services) a session keyring of its own: the F12 test
+    then shows that sandbox runs do not share the one their service holds."""
+    syscalls = KEY_SYSCALLS.get(os.uname().machine)
+    if syscalls is not None:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).syscall(syscalls[1], 1, None)  # KEYCTL_JOIN_SESSION_KEYRING
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +67,7 @@ def stack(tmp_path_factory):
         "home": str(tmp_path_factory.mktemp("hostile-home")), "gateway.port": 0,
         "rollout.reward_timeout_s": 2.0, "rollout.give_up_s": GIVE_UP_S}, env={})
     services = SERVICES if "gateway" in SERVICES else (*SERVICES, "gateway")
+    join_a_session_keyring()  # the services inherit it, as under a container runtime or systemd
     with Stack(config, services=services) as running:
         yield running
 
@@ -419,6 +431,115 @@ def test_mallorys_flood_of_python_runs_takes_turns_and_alices_run_goes_meanwhile
     assert max(sum(step for _, step in edges[:i + 1]) for i in range(len(edges))) <= per_tenant
     assert alices["error"] == "" and "[exit code 0]" in alices["output"] and alice_s < 5, alices
     assert float(alices["output"].split()[0]) < max(s for s, _ in ran)  # not queued behind mallory
+
+
+LEAVE_KEYS = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+for ring in (-3, -4, -5):  # session, user, user-session
+    print(ring, libc.syscall({add_key}, b"user", b"mallory-key", b"mallory-secret", 14, ring))
+"""
+FIND_KEYS = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+found, buf = [], ctypes.create_string_buffer(64)
+for ring in (-3, -4, -5):  # KEYCTL_SEARCH: by description, through the run's own keyrings
+    if libc.syscall({keyctl}, 10, ring, b"user", b"mallory-key", 0) != -1:
+        found.append(ring)
+for key in {keys}:  # KEYCTL_READ: by serial number, as a run that was told them
+    if libc.syscall({keyctl}, 11, key, buf, 64) != -1:
+        found.append(buf.value.decode())
+print("found", found)
+"""
+
+
+def test_a_sandbox_runs_kernel_keys_are_not_found_by_another_tenants_run(stack, victim):
+    """Issue 35, F12: kernel keys a run of mallory's adds (to its session, user and user-session
+    keyrings) are neither found by description nor read by serial number by alice's next run.
+    The stack's services hold a session keyring (``join_a_session_keyring``), which runs used to
+    share; each run now joins a fresh one (tests/security/test_sandbox_escapes.py has the user
+    keyrings of two runs on one uid)."""
+    from marlaas.platform.events import ToolCall
+
+    syscalls = KEY_SYSCALLS.get(os.uname().machine)
+    if syscalls is None:
+        pytest.skip(f"no keyctl syscall numbers for {os.uname().machine} in this test")
+
+    def call(job: str, code: str) -> bytes:
+        return encode(ToolCall(job=job, call_id=f"keys-{job}", tool="builtin.python",
+                               arguments=json.dumps({"code": code})))
+
+    async def two_runs():
+        bus = await platform_bus(stack)
+        try:
+            first = json.loads(await bus.request("marlaas.tool.builtin.python", call(
+                "mallory.keys-0a0b0c", LEAVE_KEYS.format(add_key=syscalls[0])), timeout_s=30))
+            keys = [int(line.split()[1]) for line in first["output"].splitlines()
+                    if line.startswith("-") and int(line.split()[1]) > 0]
+            second = json.loads(await bus.request("marlaas.tool.builtin.python", call(
+                victim, FIND_KEYS.format(keyctl=syscalls[1], keys=keys)), timeout_s=30))
+            return first, keys, second
+        finally:
+            await bus.close()
+
+    first, keys, second = run(two_runs())
+    assert first["error"] == "" and keys, first  # mallory's run did add keys
+    assert second["error"] == "" and second["output"].startswith("found []"), second
+
+
+# --- model output ------------------------------------------------------------------------------
+
+
+def test_an_unclosed_string_in_mallorys_turns_neither_stalls_the_loop_nor_alices_job(stack, alice, victim):
+    """Issue 35: one model output (a tool call whose argument string is never closed) froze the
+    rollout service for every tenant. Mallory's agent turns are replayed (a real model cannot be
+    steered into a given text) through rollout's own episode loop, with the stack's real tools over
+    the bus, under the event-loop watchdog: each is a call error the model reads, read in linear
+    time, and alice's job goes on (her status answered within 5 s meanwhile)."""
+    from transformers import AutoTokenizer
+
+    from marlaas.basemodel import builtin_model_dir
+    from marlaas.platform.loop_watchdog import LoopWatchdog
+    from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
+    from services.rollout.engine import Completion
+
+    tokenizer = AutoTokenizer.from_pretrained(builtin_model_dir())
+    fmt = ConversationFormat(tokenizer)
+    limits = EpisodeLimits(max_new_tokens=20_000, max_tool_calls=3, max_observation_tokens=64,
+                           max_total_tokens=40_000, tool_timeout_s=10.0)
+
+    class ReplayedTurns:  # mallory's turns as the engine's sampled ids; a call stops at its closing tag
+        def __init__(self, turns: list[str]) -> None:
+            self.turns = [*turns, "done"]
+
+        async def generate(self, prompt_ids, *, max_tokens, temperature, lora, seed, stop=None, ignore_eos=False):
+            text = self.turns.pop(0)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            called = bool(stop) and text.endswith("</tool_call>")
+            ids = ids if called else ids + [tokenizer.eos_token_id]
+            return Completion(ids, [-0.5] * len(ids), text, "stop", "</tool_call>" if called else None)
+
+    turns = ['<tool_call>{"name":"calculator","arguments":{"expression":"' + "1" * n + "</tool_call>"
+             for n in (40, 2_000, 30_000)]
+
+    async def episode_under_watch():
+        bus = await platform_bus(stack)
+        watchdog = LoopWatchdog(asyncio.get_running_loop(), 0.5, "test", every_s=0.05).start()
+        try:
+            box = ToolBox("mallory.unclosed-0a0b0c", ["builtin.calculator"], bus.request, limits.tool_timeout_s)
+            episode = await run_episode(ReplayedTurns(turns), fmt, fmt.prompt_ids("q", []), tools=box,
+                                        limits=limits, temperature=1.0, lora=None, seed=lambda turn: turn)
+            return episode, watchdog.reports
+        finally:
+            watchdog.stop()
+            await bus.close()
+
+    before = alice.job(victim).version
+    episode, reports = run(episode_under_watch())
+    assert episode.tool_calls == 3 and episode.tool_errors == 3 and reports == 0, episode
+    started = time.monotonic()
+    info = alice.job(victim)
+    assert time.monotonic() - started < 5.0 and info.version >= before
 
 
 # --- the Tinker queues ---------------------------------------------------------------------------
