@@ -24,7 +24,7 @@ import structlog
 
 log = structlog.get_logger("watchdog")
 
-STACK_FRAMES = 12  # innermost frames of the loop thread's stack in a warning
+STACK_FRAMES = 40  # innermost frames of the loop thread's stack in a warning (enough to reach our own code)
 
 
 def blocked_for(last_tick: float, now: float, bound_s: float) -> float:
