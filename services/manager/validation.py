@@ -34,15 +34,6 @@ from services.manager.sizing import longest_prompt_tokens, prompts_refusal, syst
 
 _SLUG = re.compile(r"[^a-z0-9]+")
 _TENANT = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
-# the range of sampling temperatures accepted: random sampling only (greedy has no logprobs to
-# train on), and not so flat or so sharp that float32 logprobs of engine and trainer drift apart
-MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 5.0
-# upper bounds of a submission's integers: generous for real jobs, and within what torch, peft and
-# vLLM take (a seed is a torch generator's, which holds a signed 64-bit integer)
-MAX_PROMPTS_PER_STEP, MAX_GROUP_SIZE = 4096, 1024
-MAX_LORA_ALPHA = 4096
-MAX_NAME_CHARS = 64
-MAX_EVAL_PROBLEMS = 1000
 
 CountTokens = Callable[[list[str]], list[int]]  # texts -> each one's tokens
 LoadTask = Callable[[str | None], object]  # a dataset reference -> the task over it (or TaskError)
@@ -70,17 +61,17 @@ def field_problems(request: api.SubmitRequest, facts: StackFacts) -> list[str]:
         (len(request.idempotency_key) > api.MAX_IDEMPOTENCY_KEY_CHARS,
          f"idempotency_key must be at most {api.MAX_IDEMPOTENCY_KEY_CHARS} characters (send one per "
          "submission, e.g. a UUID)"),
-        (len(request.name) > MAX_NAME_CHARS, f"name must be at most {MAX_NAME_CHARS} characters"),
+        (len(request.name) > limits.MAX_NAME_CHARS, f"name must be at most {limits.MAX_NAME_CHARS} characters"),
         (not _TENANT.match(request.tenant), "tenant must be lowercase letters, digits and '-'"),
         (not 1 <= request.steps <= limits.MAX_STEPS, f"steps must be between 1 and {limits.MAX_STEPS}"),
         (not 0 <= request.seed <= limits.MAX_JOB_SEED,
          f"seed must be between 0 and {limits.MAX_JOB_SEED} (2**63 - 1)"),
-        (not 1 <= grpo.prompts_per_step <= MAX_PROMPTS_PER_STEP,
-         f"grpo.prompts_per_step must be between 1 and {MAX_PROMPTS_PER_STEP}"),
-        (not 2 <= grpo.group_size <= MAX_GROUP_SIZE, f"grpo.group_size must be at least 2 and at most "
-         f"{MAX_GROUP_SIZE} (GRPO compares samples in a group)"),
-        (not MIN_TEMPERATURE <= grpo.temperature <= MAX_TEMPERATURE,
-         f"grpo.temperature must be in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] (sampling is "
+        (not 1 <= grpo.prompts_per_step <= limits.MAX_PROMPTS_PER_STEP,
+         f"grpo.prompts_per_step must be between 1 and {limits.MAX_PROMPTS_PER_STEP}"),
+        (not 2 <= grpo.group_size <= limits.MAX_GROUP_SIZE, f"grpo.group_size must be at least 2 and at most "
+         f"{limits.MAX_GROUP_SIZE} (GRPO compares samples in a group)"),
+        (not limits.MIN_TEMPERATURE <= grpo.temperature <= limits.MAX_TEMPERATURE,
+         f"grpo.temperature must be in [{limits.MIN_TEMPERATURE}, {limits.MAX_TEMPERATURE}] (sampling is "
          "random; the trainer scores the same tempered policy)"),
         (not 0 < grpo.learning_rate < 1, "grpo.learning_rate must be in (0, 1)"),
         (not 0 < grpo.clip_eps < 1, "grpo.clip_eps must be in (0, 1)"),
@@ -95,11 +86,11 @@ def field_problems(request: api.SubmitRequest, facts: StackFacts) -> list[str]:
          "upper bound is rollout.max_model_len less the prompt, checked with the task below"),
         (not 0 <= request.eval_every <= limits.MAX_STEPS,
          f"eval_every must be >= 0 and at most {limits.MAX_STEPS} (0 = no evaluation)"),
-        (not 1 <= request.eval_problems <= MAX_EVAL_PROBLEMS,
-         f"eval_problems must be between 1 and {MAX_EVAL_PROBLEMS}"),
+        (not 1 <= request.eval_problems <= limits.MAX_EVAL_PROBLEMS,
+         f"eval_problems must be between 1 and {limits.MAX_EVAL_PROBLEMS}"),
         (bool(request.eval_dataset) and not request.eval_every,
          "eval_dataset is set but eval_every is 0: set eval_every = N to evaluate every N versions"),
-        (not 1 <= lora.alpha <= MAX_LORA_ALPHA, f"lora.alpha must be between 1 and {MAX_LORA_ALPHA}"),
+        (not 1 <= lora.alpha <= limits.MAX_LORA_ALPHA, f"lora.alpha must be between 1 and {limits.MAX_LORA_ALPHA}"),
         (lora.dropout != 0, "lora.dropout must be 0 for RL jobs: dropout makes the trained policy "
          "differ from the one that sampled the batch (off-policy); drop lora.dropout"),
         (not lora.target_modules, "lora.target_modules must name at least one module"),

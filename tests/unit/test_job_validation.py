@@ -49,7 +49,7 @@ def test_a_submission_within_bounds_has_no_problems():
     ({"tenant": "Acme"}, "tenant must be lowercase letters"),
     ({"name": "n" * 65}, "name must be at most 64 characters"),
     ({"grpo": {"group_size": 1}}, "grpo.group_size must be at least 2"),
-    ({"grpo": {"prompts_per_step": validation.MAX_PROMPTS_PER_STEP + 1}}, "grpo.prompts_per_step must be"),
+    ({"grpo": {"prompts_per_step": limits.MAX_PROMPTS_PER_STEP + 1}}, "grpo.prompts_per_step must be"),
     ({"grpo": {"temperature": 0.0}}, "grpo.temperature must be in [0.05, 5.0]"),
     ({"grpo": {"learning_rate": 1.0}}, "grpo.learning_rate must be in (0, 1)"),
     ({"grpo": {"kl_coef": -0.1}}, "grpo.kl_coef must be >= 0"),

@@ -1,4 +1,6 @@
-"""The platform's bounds on what a job and a tenant's input may be, one home each (issue 36).
+"""The platform's bounds on what a job and a tenant's input may be, one home for them (issue 36):
+the manager validates a job against them (``services/manager/validation.py``), the gateway checks
+version numbers and sampling seeds by them.
 
 Error texts (issue 35): a tenant's reward, tool or request can fail with any text; what is kept
 of it (a job's failure reason, a queued note, a Tinker future's error, a failure event on the
@@ -14,8 +16,17 @@ from __future__ import annotations
 MAX_ERROR_CHARS = 2_000  # a failure reason, note or error text, as stored or published
 MAX_STEPS = 100_000  # a job's steps, so its versions are 0 .. MAX_STEPS (the gateway checks version numbers by it)
 MAX_JOB_SEED = 2**63 - 1  # a job's seed: a signed 64-bit integer, as numpy and torch take it
-MAX_SAMPLING_SEED = 2**31  # a Tinker sampling seed is 0 .. MAX_SAMPLING_SEED - 1 (the engine's generators
-# overflow past 64 bits, and each of a request's samples takes seed + its index)
+# the range of sampling temperatures a job may ask: random sampling only (greedy has no logprobs to
+# train on), and not so flat or so sharp that float32 logprobs of engine and trainer drift apart
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 5.0
+# upper bounds of a job's other numbers: generous for real jobs, and within what torch, peft and vLLM take
+MAX_PROMPTS_PER_STEP, MAX_GROUP_SIZE = 4096, 1024
+MAX_LORA_ALPHA = 4096
+MAX_NAME_CHARS = 64
+MAX_EVAL_PROBLEMS = 1000
+# a Tinker sampling seed is 0 .. MAX_SAMPLING_SEED - 1 (the engine's generators overflow past 64
+# bits, and each of a request's samples takes seed + its index)
+MAX_SAMPLING_SEED = 2**31
 
 
 def cut(text: str, limit: int = MAX_ERROR_CHARS) -> str:
