@@ -225,8 +225,9 @@ async def delete_oldest_finished(jobs: JobRegistry, store: ObjectStore, tenant: 
     """Delete ``tenant``'s finished jobs beyond its newest ``keep`` (``manager.max_finished_jobs``),
     each whole as a tenant's delete does (a failure is logged: the next finish tries again)."""
     try:
-        # a job's id starts with its tenant's name and a dot (tenant names have no dots)
-        keys = [key for key in await jobs.bus.kv_keys(JOBS_BUCKET) if key.startswith(f"{tenant}.")]
+        # a job's id starts with its tenant's name and a dot (tenant names have no dots): the
+        # server lists this tenant's keys alone, not every tenant's at every finish
+        keys = await jobs.bus.kv_keys(JOBS_BUCKET, under=tenant)
         if len(keys) <= keep:
             return
         finished = []

@@ -26,12 +26,13 @@ import nats.errors
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from replayed_turns import ReplayedTurns
 from tenant_admin import tenant_cli_ok
 
 from marlaas.platform import nats_access
 from marlaas.platform.bus import JOBS_BUCKET, Bus
 from marlaas.platform.config import load_config
-from marlaas.platform.events import JOB_RECORD, ToolSpec, encode
+from marlaas.platform.events import JOB_RECORD, METRIC, ToolCall, ToolSpec, encode
 from marlaas.platform.tenants import TenantError
 from marlaas.sdk import BadRequest, Client
 from marlaas.stack import broker_auth
@@ -395,20 +396,22 @@ def test_random_requests_get_no_5xx_and_a_4xx_creates_nothing(stack, url, tokens
 # --- the python sandbox -----------------------------------------------------------------------------
 
 
+def python_call(job: str, call_id: str, code: str) -> bytes:
+    """A call of the built-in ``python`` tool for ``job``, as rollout sends it on the job's behalf."""
+    return encode(ToolCall(job=job, call_id=call_id, tool="builtin.python", arguments=json.dumps({"code": code})))
+
+
 def test_mallorys_flood_of_python_runs_takes_turns_and_alices_run_goes_meanwhile(stack, victim):
     """Issue 35, F6: an agent job of mallory's calls ``python`` 40 times at once (rollout calls on
     its behalf, as here; one job once had 119 runs going). The sandbox runs at most
     ``env.python_max_runs_per_tenant`` of them at once, the rest wait their turn (or are answered
     "busy" past ``env.python_queue_timeout_s``), and alice's run, asked for meanwhile, is not
     queued behind them. Each run prints when it ran (the host's clock, which the sandbox shares)."""
-    from marlaas.platform.events import ToolCall  # noqa: PLC0415 - this test's alone
-
     per_tenant = stack.config.env.python_max_runs_per_tenant
     code = "import time; s = time.time(); time.sleep(1.0); print(s, time.time())"
 
     def call(job: str, n: int) -> bytes:
-        return encode(ToolCall(job=job, call_id=f"flood-{n}", tool="builtin.python",
-                               arguments=json.dumps({"code": code})))
+        return python_call(job, f"flood-{n}", code)
 
     async def attack():
         bus = await platform_bus(stack)
@@ -459,15 +462,12 @@ def test_a_sandbox_runs_kernel_keys_are_not_found_by_another_tenants_run(stack, 
     The stack's services hold a session keyring (``join_a_session_keyring``), which runs used to
     share; each run now joins a fresh one (tests/security/test_sandbox_escapes.py has the user
     keyrings of two runs on one uid)."""
-    from marlaas.platform.events import ToolCall
-
     syscalls = KEY_SYSCALLS.get(os.uname().machine)
     if syscalls is None:
         pytest.skip(f"no keyctl syscall numbers for {os.uname().machine} in this test")
 
     def call(job: str, code: str) -> bytes:
-        return encode(ToolCall(job=job, call_id=f"keys-{job}", tool="builtin.python",
-                               arguments=json.dumps({"code": code})))
+        return python_call(job, f"keys-{job}", code)
 
     async def two_runs():
         bus = await platform_bus(stack)
@@ -501,23 +501,11 @@ def test_an_unclosed_string_in_mallorys_turns_neither_stalls_the_loop_nor_alices
     from marlaas.basemodel import builtin_model_dir
     from marlaas.platform.loop_watchdog import LoopWatchdog
     from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
-    from services.rollout.engine import Completion
 
     tokenizer = AutoTokenizer.from_pretrained(builtin_model_dir())
     fmt = ConversationFormat(tokenizer)
-    limits = EpisodeLimits(max_new_tokens=20_000, max_tool_calls=3, max_observation_tokens=64,
-                           max_total_tokens=40_000, tool_timeout_s=10.0)
-
-    class ReplayedTurns:  # mallory's turns as the engine's sampled ids; a call stops at its closing tag
-        def __init__(self, turns: list[str]) -> None:
-            self.turns = [*turns, "done"]
-
-        async def generate(self, prompt_ids, *, max_tokens, temperature, lora, seed, stop=None, ignore_eos=False):
-            text = self.turns.pop(0)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            called = bool(stop) and text.endswith("</tool_call>")
-            ids = ids if called else ids + [tokenizer.eos_token_id]
-            return Completion(ids, [-0.5] * len(ids), text, "stop", "</tool_call>" if called else None)
+    limits = EpisodeLimits(max_new_tokens=40_000, max_tool_calls=3, max_observation_tokens=64,
+                           max_total_tokens=80_000, tool_timeout_s=10.0)
 
     turns = ['<tool_call>{"name":"calculator","arguments":{"expression":"' + "1" * n + "</tool_call>"
              for n in (40, 2_000, 30_000)]
@@ -527,19 +515,18 @@ def test_an_unclosed_string_in_mallorys_turns_neither_stalls_the_loop_nor_alices
         watchdog = LoopWatchdog(asyncio.get_running_loop(), 0.5, "test", every_s=0.05).start()
         try:
             box = ToolBox("mallory.unclosed-0a0b0c", ["builtin.calculator"], bus.request, limits.tool_timeout_s)
-            episode = await run_episode(ReplayedTurns(turns), fmt, fmt.prompt_ids("q", []), tools=box,
+            episode = await run_episode(ReplayedTurns(tokenizer, turns), fmt, fmt.prompt_ids("q", []), tools=box,
                                         limits=limits, temperature=1.0, lora=None, seed=lambda turn: turn)
             return episode, watchdog.reports
         finally:
             watchdog.stop()
             await bus.close()
 
-    before = alice.job(victim).version
     episode, reports = run(episode_under_watch())
     assert episode.tool_calls == 3 and episode.tool_errors == 3 and reports == 0, episode
     started = time.monotonic()
     info = alice.job(victim)
-    assert time.monotonic() - started < 5.0 and info.version >= before
+    assert time.monotonic() - started < 5.0 and info.state in ("running", "completed"), info
 
 
 # --- the Tinker queues ---------------------------------------------------------------------------
@@ -548,7 +535,7 @@ def test_an_unclosed_string_in_mallorys_turns_neither_stalls_the_loop_nor_alices
 def tinker_spans(stack, phase: str) -> list:
     """The Tinker requests done so far (``phase`` "tinker_forward_backward" or "tinker_sample"),
     each a span with the tenant's ``<tenant>.tinker`` as its job."""
-    from marlaas.platform.events import METRIC  # noqa: PLC0415 - the Tinker tests' alone
+
 
     async def read():
         bus = await platform_bus(stack)

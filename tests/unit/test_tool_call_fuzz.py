@@ -14,13 +14,13 @@ import json
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from replayed_turns import ReplayedTurns
 from transformers import AutoTokenizer
 
 from marlaas.basemodel import builtin_model_dir
 from marlaas.platform.events import TOOL, ToolResult, encode
 from marlaas.tools.protocol import CALL_CLOSE, CALL_OPEN, CallError, ParsedCall, json_depth, parse_call
 from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
-from services.rollout.engine import Completion
 
 PIECES = st.sampled_from(['"', "\\", "\\\"", "{", "}", "[", "]", ":", ",", "a", " ", "\n", "é", "1e999", "-",
                           CALL_OPEN, CALL_CLOSE, '{"name": "echo", "arguments": {"text": "', '"}}', "<think>"])
@@ -70,25 +70,6 @@ LIMITS = EpisodeLimits(max_new_tokens=2_000, max_tool_calls=3, max_observation_t
                        tool_timeout_s=1.0)
 
 
-class ReplayedTurns:
-    """Replays ``turns`` as the engine's sampled ids, then answers; a turn ending in the closing
-    tag stopped there (as the engine's stop string makes it)."""
-
-    def __init__(self, turns: list[str]) -> None:
-        self.turns = [*turns, "done"]
-
-    async def generate(self, prompt_ids, *, max_tokens, temperature, lora, seed, stop=None,
-                       ignore_eos=False) -> Completion:
-        text = self.turns.pop(0) if self.turns else "done"
-        ids = TOKENIZER(text, add_special_tokens=False)["input_ids"]
-        called = bool(stop) and text.endswith(CALL_CLOSE)
-        ids = ids if called else ids + [TOKENIZER.eos_token_id]
-        if len(ids) > max_tokens:  # as the engine does: the turn runs out of its budget
-            ids = ids[:max_tokens]
-            return Completion(ids, [-0.5] * len(ids), TOKENIZER.decode(ids), "length")
-        return Completion(ids, [-0.5] * len(ids), text, "stop", CALL_CLOSE if called else None)
-
-
 async def echo_tool(subject: str, data: bytes, timeout_s: float) -> bytes:
     call = TOOL.decode(data)
     return encode(ToolResult(call_id=call.call_id, output=json.loads(call.arguments).get("text", "")[:100]))
@@ -98,7 +79,7 @@ async def echo_tool(subject: str, data: bytes, timeout_s: float) -> bytes:
 @given(st.lists(TURNS, min_size=1, max_size=4))
 def test_the_episode_loop_survives_any_sequence_of_turns(turns):
     box = ToolBox("acme.job-1", ["acme.echo"], echo_tool, LIMITS.tool_timeout_s)
-    episode = asyncio.run(run_episode(ReplayedTurns(turns), FMT, FMT.prompt_ids("q=", []), tools=box,
+    episode = asyncio.run(run_episode(ReplayedTurns(TOKENIZER, turns), FMT, FMT.prompt_ids("q=", []), tools=box,
                                       limits=LIMITS, temperature=1.0, lora=None, seed=lambda turn: turn))
     assert episode.end_reason in ("answer", "length", "max_tool_calls", "context_full")
     assert episode.tool_calls == episode.tool_errors + episode.tool_successes <= LIMITS.max_tool_calls
