@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import msgspec
 
 from marlaas.platform import api, limits
-from marlaas.platform.events import TRUNCATED_MODES, GrpoSettings, JobRecord, JobSpec
+from marlaas.platform.events import PIPELINE_MODES, TRUNCATED_MODES, GrpoSettings, JobRecord, JobSpec
 from marlaas.tasks import TaskError
 from marlaas.tools.registry import BUILTIN_REWARDS, ToolNameError, split_qualified
 from services.manager.admission import job_footprint
@@ -78,6 +78,8 @@ def field_problems(request: api.SubmitRequest, facts: StackFacts) -> list[str]:
         (grpo.kl_coef < 0, "grpo.kl_coef must be >= 0"),
         (grpo.truncated not in TRUNCATED_MODES, f"grpo.truncated must be one of {', '.join(TRUNCATED_MODES)} "
          f"(what becomes of an episode cut off before it answered), not {grpo.truncated!r}"),
+        (grpo.pipeline not in PIPELINE_MODES, f"grpo.pipeline must be one of {', '.join(PIPELINE_MODES)} ('groups': "
+         f"each group is trained as soon as it is scored; 'batch': the whole batch at once), not {grpo.pipeline!r}"),
         (grpo.ignore_eos and grpo.truncated != "train", "grpo.ignore_eos makes every episode end by length "
          "(truncated): with it, grpo.truncated must be 'train'"),
         (not 1 <= lora.rank <= facts.max_lora_rank,

@@ -17,9 +17,10 @@ import os
 import shutil
 import time
 
+import msgspec
 import structlog
 
-from marlaas.platform import subjects
+from marlaas.platform import limits, subjects
 from marlaas.platform.adapters import attempt_prefix, materialize
 from marlaas.platform.bus import JOBS_BUCKET, SAMPLED_BUCKET, Bus, Delivery, PoisonMessage
 from marlaas.platform.commits import read_job, report_failure
@@ -44,7 +45,7 @@ from marlaas.platform.events import (
 from marlaas.platform.files import DataFiles, is_file_id
 from marlaas.platform.runtime import Runtime
 from marlaas.platform.store import ObjectStore
-from marlaas.platform.telemetry import UTILIZATION_JOB, span
+from marlaas.platform.telemetry import UTILIZATION_JOB, record_span, span
 from marlaas.tasks import Task, TaskError, get_task
 from marlaas.tools.registry import reward_subject
 from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
@@ -58,6 +59,7 @@ from services.rollout.tinker_sampling import serve_tinker
 log = structlog.get_logger("rollout")
 SERVICE = "rollout"
 INLINE_BATCH_LIMIT = 256 * 1024  # bigger batches travel through the object store
+PUBLISHED = TrajectoryBatch(samples=[])  # sample_groups: every group is out already
 
 
 # Test-only fault injection: serve the first adapter's weights under every later version's
@@ -192,14 +194,17 @@ class Rollout:
         sampled, then evaluate the version if it is due."""
         job, version = spec.id, event.version
         async with delivery.keep_alive():
-            if self.rounds is None:
+            if self.rounds is None and pipelined(spec.grpo):  # each group published as it is scored
+                batch = await self.sample_groups(spec, event)
+            elif self.rounds is None:
                 batch = await self.sample_batch(spec, event)
-            else:
+            else:  # sync rounds (the paper's baseline) keep whole batches: the barrier is per batch
                 async with self.rounds.member(job) as round_:
                     batch = await self.sample_batch(spec, event)
                     await round_.sampled(job)  # the barrier: no round member trains before all sampled
             if batch is not None:
-                await publish_batch(self.bus, self.store, job, version, batch)
+                if batch is not PUBLISHED:
+                    await publish_batch(self.bus, self.store, job, version, batch)
                 await record_sampled(self.bus, job, version)
                 if spec.eval_every and version % spec.eval_every == 0:  # after the batch: the trainer
                     await self.evaluate(spec, event)  # works on it meanwhile; the next batch waits one eval
@@ -318,14 +323,77 @@ class Rollout:
             attrs["rewards_sha"] = digest([None if r is None else round(r, 6) for r in rewards])
         samples = [e.to_sample(group=k // grpo.group_size, reward=r, text=t)
                    for k, (e, r, t) in enumerate(zip(episodes, rewards, texts)) if r is not None]
-        if task.kind == "agentic" or grpo.truncated != "train":
-            metrics["episode/truncated"] = float(sum(e.truncated for e in episodes))
-            metrics["episode/dropped"] = float(len(episodes) - len(samples))
+        metrics = self.batch_metrics(task, grpo, episodes, len(samples))
         if not all(math.isfinite(lp) for s in samples for lp in s.logprobs):  # JSON would carry null:
             raise PoisonMessage(f"the engine returned a non-finite logprob at version {version}; "  # unreadable
                                 "the batch is not published")
         return TrajectoryBatch(samples=samples, policy_version=self.engine.loaded_version(spec.id),
                                metrics=metrics)
+
+    async def sample_groups(self, spec: JobSpec, event: PolicyCommitted) -> TrajectoryBatch | None:
+        """``grpo.pipeline = "groups"``: sample the version's batch as :meth:`sample_batch` does, but
+        score each GRPO group and publish it (``publish_group``) the moment its last episode ends,
+        so the trainer works on it while later groups are generated. The last group out carries
+        the batch's episode metrics. Returns :data:`PUBLISHED`, or None if the job just finished.
+        A failure cancels the groups still running; the retried announcement samples the batch
+        again, and the groups already out are dropped as repeats (by the broker within its
+        duplicate window, by the trainer after it)."""
+        task, grpo, version = self.task_of(spec), spec.grpo, event.version
+        problems = task.problems(grpo.prompts_per_step, batch_seed(spec, version))
+        prompt_ids = [self.prompt_ids(spec, p) for p in problems]
+        every: dict[int, tuple[list[Episode], list[float | None]]] = {}
+        reward_times: list[tuple[float, float]] = []
+
+        async def group(i: int, ids: list[int], lora) -> None:
+            episodes = await asyncio.gather(*(self.episode(spec, task, ids, lora, version, i, j)
+                                              for j in range(grpo.group_size)))
+            texts = await asyncio.to_thread(lambda: [self.transcript(e) for e in episodes])
+            scored = to_score(episodes, grpo.truncated)
+            scoring = time.time()
+            finals = await asyncio.to_thread(
+                lambda: [self.final_turn(e) if s else "" for e, s in zip(episodes, scored)])
+            judged = iter(await self.rewards(spec, [(problems[i], f) for f, s in zip(finals, scored) if s]))
+            rewards = settle_truncated(episodes, [next(judged) if s else None for s in scored], grpo.truncated)
+            reward_times.append((scoring, time.time()))
+            samples = [e.to_sample(group=i, reward=r, text=t) for e, r, t in zip(episodes, rewards, texts)
+                       if r is not None]
+            if not all(math.isfinite(lp) for s in samples for lp in s.logprobs):
+                raise PoisonMessage(f"the engine returned a non-finite logprob at version {version}; "
+                                    "the group is not published")
+            every[i] = (episodes, rewards)
+            last = len(every) == len(prompt_ids)  # no await since the line above: the last group out knows
+            metrics = self.batch_metrics(task, grpo, [e for k in sorted(every) for e in every[k][0]],
+                                         sum(r is not None for _, rs in every.values() for r in rs)) if last else {}
+            await publish_group(self.bus, self.store, spec.id, version, i, len(prompt_ids), TrajectoryBatch(
+                samples=samples, policy_version=self.engine.loaded_version(spec.id), metrics=metrics))
+
+        async with self._lock(spec.id), self.engine_turn():
+            lora = await self.load_adapter(spec.id, version, event)
+            if lora is None:
+                return None
+            started = time.time()
+            await gather_or_cancel(*(group(i, ids, lora) for i, ids in enumerate(prompt_ids)))
+        episodes = [e for k in sorted(every) for e in every[k][0]]
+        rewards = [r for k in sorted(every) for r in every[k][1]]
+        generate = {"problems_sha": digest([p.get("prompt", p.get("messages")) for p in problems]),
+                    "completions": len(episodes), "pipeline": "groups",
+                    "tokens": sum(len(seg.ids) for e in episodes for seg in e.segments if seg.kind == "sampled"),
+                    **(episode_metrics(episodes) if task.kind == "agentic" else {})}
+        generated = max(scoring_began for scoring_began, _ in reward_times)  # the last group's last episode
+        await record_span(self.bus, SERVICE, "generate", spec.id, version, started, generated, **generate)
+        await record_span(self.bus, SERVICE, "reward", spec.id, version, min(s for s, _ in reward_times),
+                          max(e for _, e in reward_times),
+                          rewards_sha=digest([None if r is None else round(r, 6) for r in rewards]))
+        return PUBLISHED
+
+    @staticmethod
+    def batch_metrics(task: Task, grpo, episodes: list[Episode], kept: int) -> dict[str, float]:
+        """A batch's episode figures (agentic tasks, or episodes settled by ``grpo.truncated``)."""
+        metrics = episode_metrics(episodes) if task.kind == "agentic" else {}
+        if task.kind == "agentic" or grpo.truncated != "train":
+            metrics["episode/truncated"] = float(sum(e.truncated for e in episodes))
+            metrics["episode/dropped"] = float(len(episodes) - kept)
+        return metrics
 
     async def episode(self, spec: JobSpec, task: Task, prompt_ids: list[int], lora, version: int,
                       prompt: int, sample: int, temperature: float | None = None) -> Episode:
@@ -398,6 +466,12 @@ class Rollout:
 
 
 
+def pipelined(grpo) -> bool:
+    """Whether a job's batches travel group by group (``grpo.pipeline``; a batch of more than
+    ``MAX_PIPELINED_GROUPS`` groups travels whole: the trainer holds a batch's groups unacked)."""
+    return grpo.pipeline == "groups" and grpo.prompts_per_step <= limits.MAX_PIPELINED_GROUPS
+
+
 def tool_context(spec: JobSpec, task: Task) -> dict[str, str]:
     """What the job's tool calls carry: the task's context, with an uploaded corpus named by its
     file id and tenant rather than by this replica's cached copy (env fetches its own)."""
@@ -431,6 +505,33 @@ async def publish_batch(bus: Bus, store: ObjectStore, job: str, version: int, ba
         data = encode(TrajectoryReady(job=job, version=version, batch_id=batch_id,
                                       batch_ref=ref, sampled_at=event.sampled_at))
     await bus.publish(subjects.trajectory_ready(job), data, msg_id=batch_id)
+
+
+async def publish_group(bus: Bus, store: ObjectStore, job: str, version: int, group: int, groups: int,
+                        batch: TrajectoryBatch) -> None:
+    """Publish one GRPO group of ``version``'s batch (``grpo.pipeline = "groups"``), deduplicated by
+    ``Nats-Msg-Id = <job>:v<version>:g<group>``; by reference when bigger than ``INLINE_BATCH_LIMIT``."""
+    batch_id = f"{job}:v{version}"
+    event = TrajectoryReady(job=job, version=version, batch_id=batch_id, batch=batch, sampled_at=time.time(),
+                            group=group, groups=groups)
+    data = encode(event)
+    if len(data) > INLINE_BATCH_LIMIT:
+        ref = await asyncio.to_thread(
+            store.put_bytes, attempt_prefix("trajectories", job, version) + f"/group-{group}.json", encode(batch))
+        data = encode(msgspec.structs.replace(event, batch=None, batch_ref=ref))
+    await bus.publish(subjects.trajectory_ready(job), data, msg_id=f"{batch_id}:g{group}")
+
+
+async def gather_or_cancel(*awaitables):
+    """``asyncio.gather``, but the first failure cancels the others (and is raised as itself)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def report_utilization(bus: Bus, engine: PolicyEngine, stop: asyncio.Event, every_s: float = 2.0) -> None:

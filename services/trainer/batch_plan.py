@@ -64,3 +64,31 @@ def may_commit(state: JobState | None) -> bool:
     """Whether an update trained for a job may be committed, given the job's state read after the
     step (None: the job is gone): not if it finished (was cancelled, say) while the step ran."""
     return state is not None and not state.finished
+
+
+class GroupAction(enum.Enum):
+    """What a group of a pipelined batch (``grpo.pipeline = "groups"``) asks of the trainer, once
+    ``plan_batch`` said TRAIN (it is of the committed version)."""
+
+    ADD = "add"  # a group not yet in the batch in progress: add its gradients and hold it unacked
+    START_OVER = "start-over"  # no batch in progress, or it is gone (of another version, or its
+    # gradients lost with an evicted adapter): release what it holds, begin anew with this group
+    SAME_MESSAGE = "same-message"  # delivered again (its ack timer ran out): hold the new delivery
+    COPY = "copy"  # a second copy of a group already added (a rollout sampled the batch again): ack it
+
+
+def plan_group(group: int, sequence: int, pending_version: int | None, version: int,
+               held: dict[int, int], accumulated: set[int] | None) -> GroupAction:
+    """The action for ``group`` (stream sequence ``sequence``) of ``version``'s batch, given the
+    batch in progress: its version (None: none), the sequence of each group it holds, and the
+    groups whose gradients the trainer's memory holds for the job (None: no batch begun there)."""
+    if pending_version is None or pending_version != version or accumulated != set(held):
+        return GroupAction.START_OVER
+    if group not in held:
+        return GroupAction.ADD
+    return GroupAction.SAME_MESSAGE if held[group] == sequence else GroupAction.COPY
+
+
+def batch_whole(held: dict[int, int], groups: int) -> bool:
+    """Whether every group of the batch is in (groups are numbered 0..groups-1)."""
+    return len(held) == groups and set(held) == set(range(groups))

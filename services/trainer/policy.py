@@ -117,6 +117,19 @@ def head_split_matches(model: torch.nn.Module) -> bool:
 
 
 @dataclass
+class Accumulated:
+    """A batch in progress: its gradients sit in the job's parameters, its sums here (token sums,
+    not yet divided by the batch's token count, which is known only at the step)."""
+
+    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("loss", "clip_fraction", "kl",
+                                                                          "logprob_gap"), 0.0))
+    tokens: float = 0.0
+    tokens_scored: float = 0.0
+    rewards: list[float] = field(default_factory=list)
+    groups: set[int] = field(default_factory=set)
+
+
+@dataclass
 class HotJob:
     """A job resident in the trainer: adapter ``slot`` in the peft model at ``version``.
 
@@ -130,6 +143,7 @@ class HotJob:
     params: list[torch.nn.Parameter] = field(default_factory=list)
     exported: dict[str, torch.nn.Parameter] = field(default_factory=dict)
     config_json: bytes = b""
+    accumulated: Accumulated | None = None  # a GRPO batch in progress (see PolicyTrainer.add_groups)
 
 
 @dataclass(frozen=True)
@@ -254,11 +268,100 @@ class PolicyTrainer:
     def train_step(self, job: str, batch: TrajectoryBatch, settings: GrpoSettings) -> StepResult:
         """One optimizer step on ``batch``; the job moves to version + 1 in memory."""
         with self.lock:
-            return self._train_step(job, batch, settings)
+            self.begin_batch(job)
+            self.add_groups(job, batch.samples, settings)
+            return self.step(job, settings)
 
-    def _train_step(self, job: str, batch: TrajectoryBatch, settings: GrpoSettings) -> StepResult:
+    def begin_batch(self, job: str) -> None:
+        """Start the job's next batch: zero its gradients and its running sums (call with ``lock``)."""
         hot = self.hot[job]
-        losses = self.accumulate_gradients(job, batch, settings)
+        hot.optimizer.zero_grad(set_to_none=True)
+        hot.accumulated = Accumulated()
+
+    def accumulated(self, job: str) -> Accumulated | None:
+        """What the job's batch in progress holds so far (None: the job is not hot, or no batch began)."""
+        hot = self.hot.get(job)
+        return hot.accumulated if hot else None
+
+    def add_groups(self, job: str, samples: list[Sample], settings: GrpoSettings) -> None:
+        """Add the GRPO gradients of complete groups (every sample of each group present) to the
+        job's batch in progress, one micro-batch at a time; call with ``lock`` held.
+
+        The batch's loss is a token sum over the batch's token count N (see grpo.py), and N is
+        known only once the last group is in: each micro-batch backpropagates its *sum*
+        (``total_tokens=1``), and :meth:`step` divides the gradients and the sums by N, which is
+        the same loss and the same gradients as the whole batch at once, up to float rounding
+        (``tests/unit/test_pipelined_loss.py``). Advantages are per group, so a group needs
+        nothing from the others. Without a KL term, a sample whose advantage is 0 (every sample
+        of a group whose rewards are all equal) adds exactly 0 to the loss and to every
+        gradient, whatever its logprobs: it is not run through the model at all, but its
+        tokens still count in N. ``clip_fraction`` and ``logprob_gap`` are then averages over
+        the scored tokens (``tokens_scored``) rather than all ``tokens``.
+        """
+        hot = self.hot[job]
+        acc = hot.accumulated
+        if acc is None:
+            raise RuntimeError(f"add_groups for {job} before begin_batch")
+        self.hot.move_to_end(job)
+        self._activate(hot.slot)
+        for p in hot.params:
+            p.requires_grad_(True)
+        if not self.model.training:
+            self.model.train()
+        rewards_B = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        groups_B = torch.tensor([s.group for s in samples])
+        advantages_B = group_advantages(rewards_B, groups_B, settings.scale_by_std)
+        scored = [i for i, a in enumerate(advantages_B.tolist()) if settings.kl_coef > 0 or a != 0]
+        advantages_B = advantages_B.to(self.device)
+        lengths = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in scored]
+        for rows in micro_batches(lengths, self.micro_batch_tokens):
+            picked = [scored[r] for r in rows]
+            out = self._micro_batch_loss([samples[i] for i in picked], advantages_B[picked], 1.0, settings)
+            if not torch.isfinite(out.loss):
+                raise NonFiniteUpdate(f"loss is {out.loss.item()} at version {hot.version}")
+            if out.loss.requires_grad:  # no masked token in this micro-batch: nothing to backpropagate
+                out.loss.backward()
+            for key, value in (("loss", out.loss.item()), ("clip_fraction", out.clip_fraction),
+                               ("kl", out.kl), ("logprob_gap", out.logprob_gap)):
+                acc.sums[key] += value
+        acc.tokens += float(sum(sum(s.loss_mask) for s in samples))
+        acc.tokens_scored += float(sum(sum(samples[i].loss_mask) for i in scored))
+        acc.rewards += [s.reward for s in samples]
+        acc.groups.update(s.group for s in samples)
+
+    def accumulate_gradients(self, job: str, batch: TrajectoryBatch, settings: GrpoSettings) -> dict[str, float]:
+        """Set the job's gradients to those of the whole batch's GRPO loss, and return the loss
+        and its metrics, without stepping (call with ``lock`` held)."""
+        self.begin_batch(job)
+        self.add_groups(job, batch.samples, settings)
+        return self.finish_gradients(job)[0]
+
+    def finish_gradients(self, job: str) -> tuple[dict[str, float], Accumulated]:
+        """End the job's batch in progress: divide its summed gradients and sums by its token
+        count N; return the loss and metrics, and what was accumulated."""
+        hot = self.hot[job]
+        acc = hot.accumulated
+        if acc is None:
+            raise RuntimeError(f"finish_gradients for {job} before begin_batch")
+        hot.accumulated = None
+        tokens = max(acc.tokens, 1.0)
+        for p in hot.params:  # a batch with no scored token still steps (AdamW momentum), as before
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.div_(tokens)
+        losses = {"loss": acc.sums["loss"] / tokens, "kl": acc.sums["kl"] / tokens,
+                  # shares of the scored tokens, not of all N
+                  **{k: acc.sums[k] / acc.tokens_scored if acc.tokens_scored else 0.0
+                     for k in ("clip_fraction", "logprob_gap")},
+                  "tokens": acc.tokens, "tokens_scored": acc.tokens_scored}
+        return losses, acc
+
+    def step(self, job: str, settings: GrpoSettings) -> StepResult:
+        """Divide the batch's summed gradients by its token count N, clip, take the AdamW step,
+        and export; the job moves to version + 1 in memory (call with ``lock`` held)."""
+        hot = self.hot[job]
+        losses, acc = self.finish_gradients(job)
         grad_norm = torch.nn.utils.clip_grad_norm_(hot.params, settings.max_grad_norm)
         if not torch.isfinite(grad_norm):
             raise NonFiniteUpdate(f"gradient norm is {grad_norm.item()} at version {hot.version}")
@@ -266,60 +369,12 @@ class PolicyTrainer:
         if not all(torch.isfinite(p).all() for p in hot.params):
             raise NonFiniteUpdate(f"weights became non-finite after the step at version {hot.version}")
         hot.version += 1
-        rewards_B = torch.tensor([s.reward for s in batch.samples], dtype=torch.float32)
+        rewards_B = torch.tensor(acc.rewards, dtype=torch.float32)
         # a batch whose every episode was dropped (grpo.truncated = "drop") has no reward to report
         rewards = {"reward/mean": rewards_B.mean().item(),
-                   "reward/std": rewards_B.std(unbiased=False).item()} if len(batch.samples) else {}
+                   "reward/std": rewards_B.std(unbiased=False).item()} if acc.rewards else {}
         metrics = {**rewards, **losses, "grad_norm": float(grad_norm)}
         return StepResult(*self.export(job), metrics=metrics)
-
-    def accumulate_gradients(self, job: str, batch: TrajectoryBatch, settings: GrpoSettings) -> dict[str, float]:
-        """Set the job's gradients to those of the batch's GRPO loss, one micro-batch at a time.
-
-        Micro-batches hold at most ``micro_batch_tokens`` padded tokens; each adds its
-        share of the whole-batch loss (see grpo.py), so the gradients and the loss are the
-        whole batch's. Without a KL term, a sample whose advantage is 0 (every sample of a
-        group whose rewards are all equal) adds exactly 0 to the loss and to every gradient,
-        whatever its logprobs: it is not run through the model at all. The token count N
-        that divides the loss is still the whole batch's, so the gradients are unchanged.
-        ``clip_fraction`` and ``logprob_gap`` are then averages over the scored tokens
-        (``tokens_scored``) rather than all ``tokens``.
-        """
-        hot = self.hot[job]
-        self.hot.move_to_end(job)
-        model = self.model
-        self._activate(hot.slot)
-        for p in hot.params:
-            p.requires_grad_(True)
-        if not model.training:
-            model.train()
-        samples = batch.samples
-        rewards_B = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        groups_B = torch.tensor([s.group for s in samples])
-        advantages_B = group_advantages(rewards_B, groups_B, settings.scale_by_std)
-        total_tokens = float(sum(sum(s.loss_mask) for s in samples))
-        scored = [i for i, a in enumerate(advantages_B.tolist()) if settings.kl_coef > 0 or a != 0]
-        advantages_B = advantages_B.to(self.device)
-        scored_tokens = float(sum(sum(samples[i].loss_mask) for i in scored))
-        sums = dict.fromkeys(("loss", "clip_fraction", "kl", "logprob_gap"), 0.0)
-        hot.optimizer.zero_grad(set_to_none=True)
-        lengths = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in scored]
-        for rows in micro_batches(lengths, self.micro_batch_tokens):
-            picked = [scored[r] for r in rows]
-            out = self._micro_batch_loss([samples[i] for i in picked], advantages_B[picked], total_tokens, settings)
-            if not torch.isfinite(out.loss):
-                raise NonFiniteUpdate(f"loss is {out.loss.item()} at version {hot.version}")
-            if out.loss.requires_grad:  # no masked token in this micro-batch: nothing to backpropagate
-                out.loss.backward()
-            for key, value in (("loss", out.loss.item()), ("clip_fraction", out.clip_fraction),
-                               ("kl", out.kl), ("logprob_gap", out.logprob_gap)):
-                sums[key] += value
-        for key in ("clip_fraction", "logprob_gap"):  # shares of N: make them means over the scored tokens
-            sums[key] *= total_tokens / scored_tokens if scored_tokens else 0.0
-        for p in hot.params:  # a batch with no scored token still steps (AdamW momentum), as before
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        return {**sums, "tokens": total_tokens, "tokens_scored": scored_tokens}
 
     def _micro_batch_loss(self, samples: list[Sample], advantages_M: torch.Tensor, total_tokens: float,
                           settings: GrpoSettings) -> GrpoLoss:

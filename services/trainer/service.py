@@ -13,11 +13,13 @@ Which batches are trained, dropped or re-announced is decided by the pure
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
 import time
 import uuid
+from dataclasses import dataclass, field
 
 import structlog
 import torch
@@ -41,13 +43,34 @@ from marlaas.platform.events import (
 )
 from marlaas.platform.runtime import Runtime
 from marlaas.platform.store import ObjectStore
-from marlaas.platform.telemetry import span
-from services.trainer.batch_plan import BatchAction, may_commit, plan_batch
+from marlaas.platform.telemetry import record_span, span
+from services.trainer.batch_plan import BatchAction, GroupAction, batch_whole, may_commit, plan_batch, plan_group
 from services.trainer.policy import NonFiniteUpdate, PolicyTrainer, StepResult, torch_threads
 from services.trainer.tinker_training import run_tinker
 
 log = structlog.get_logger("trainer")
 SERVICE = "trainer"
+# messages the trainer's consumer may hold unacked: the groups of every pipelined batch in progress
+# (at most limits.MAX_PIPELINED_GROUPS a job, one batch a job)
+MAX_HELD = 65536
+
+
+@dataclass
+class PendingBatch:
+    """A pipelined batch in progress (``grpo.pipeline = "groups"``): the groups whose gradients are
+    added, each held unacked until the version they make is committed (a crash before that
+    delivers them all again: the version starts over from the stream)."""
+
+    version: int
+    attempt: str
+    began: float
+    held: dict[int, Delivery] = field(default_factory=dict)
+    events: list[TrajectoryReady] = field(default_factory=list)
+    sampled_versions: set[int] = field(default_factory=set)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def sequences(self) -> dict[int, int]:
+        return {group: d.msg.metadata.sequence.stream for group, d in self.held.items()}
 
 
 def maybe_crash(probability: float, point: str) -> None:
@@ -65,6 +88,8 @@ class Trainer:
         self.bus, self.store, self.policy = bus, store, policy
         self.fault_crash_p = fault_crash_p
         self.finished: set[str] = set()  # jobs to drop from memory before the next step
+        self.pending: dict[str, PendingBatch] = {}  # pipelined batches in progress, by job
+        self.ended: set[str] = set()  # finished jobs whose batch in progress is still to be released
 
     async def on_job_state(self, msg) -> None:
         """Note a finished job, to drop its adapter and optimizer from memory. The drop waits for
@@ -75,6 +100,7 @@ class Trainer:
             return
         if isinstance(event, JobStateChanged) and event.state.finished:
             self.finished.add(event.job)
+            self.ended.add(event.job)
 
     async def reannounce_committed(self) -> None:
         """Crash recovery: announce every committed version (NATS dedups the ones already out)."""
@@ -87,17 +113,143 @@ class Trainer:
     async def handle(self, delivery: Delivery) -> None:
         """Read the batch and its job, plan (``plan_batch``), then carry the plan out."""
         event: TrajectoryReady = TRAJECTORY.decode(delivery.data)
+        await self.release_finished()
         snapshot = await read_job(self.bus, event.job)
         state, committed = (snapshot.record.state, snapshot.committed) if snapshot else (None, None)
         plan = plan_batch(event, state, committed)
         if plan.message:
             getattr(log, plan.level)(plan.message, **plan.fields)
+        pending = self.pending.get(event.job)
+        if pending is not None and (committed is None or pending.version != committed.version):
+            await self.release(event.job, "term")  # its version is past (or its job gone): never trained
         if plan.action.drops:
             return await delivery.term()
         if plan.action is BatchAction.REANNOUNCE:
             await announce(self.bus, committed)
             return await delivery.ack()
+        if event.group >= 0:
+            return await self._add_group(delivery, event, snapshot)
         await self._train_and_commit(delivery, event, snapshot)
+
+    async def release_finished(self) -> None:
+        """Release the batches in progress of jobs that finished (cancelled, failed) meanwhile."""
+        while self.ended:
+            await self.release(self.ended.pop(), "term")
+
+    async def release(self, job: str, how: str) -> None:
+        """Give up ``job``'s batch in progress: its held groups are nak'ed (``"nak"``: delivered
+        again, to start the version over) or terminated (``"term"``: never to be trained), and the
+        gradients it added are dropped with the next ``begin_batch``."""
+        pending = self.pending.pop(job, None)
+        if pending is None:
+            return
+        self.policy.pinned.discard(job)
+        for delivery in pending.held.values():
+            with contextlib.suppress(Exception):
+                await (delivery.nak(0.5) if how == "nak" else delivery.term())
+        log.info("batch in progress released", job=job, version=pending.version, groups=len(pending.held), how=how)
+
+    async def hold_alive(self, stop: asyncio.Event, every_s: float = 5.0) -> None:
+        """Keep the held groups' ack timers from running out while their batches fill up, and
+        release the batches of jobs that finished."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
+            await self.release_finished()
+            for pending in list(self.pending.values()):
+                for delivery in list(pending.held.values()):
+                    with contextlib.suppress(Exception):
+                        await delivery.msg.in_progress()
+
+    async def _add_group(self, delivery: Delivery, event: TrajectoryReady, snapshot: JobSnapshot) -> None:
+        """Add one group's gradients to its batch in progress (``plan_group``), hold it unacked,
+        and once the batch is whole, step and commit as a whole batch would."""
+        job, version = event.job, event.version
+        pending = self.pending.get(job)
+        sequence = delivery.msg.metadata.sequence.stream
+        with self.policy.lock:
+            accumulated = self.policy.accumulated(job)
+        action = plan_group(event.group, sequence, pending.version if pending else None, version,
+                            pending.sequences() if pending else {}, accumulated.groups if accumulated else None)
+        if action is GroupAction.SAME_MESSAGE:
+            pending.held[event.group] = delivery
+            return delivery.defer()
+        if action is GroupAction.COPY:
+            return await delivery.ack()
+        if action is GroupAction.START_OVER:
+            await self.release(job, "nak")
+            pending = self.pending[job] = PendingBatch(version, uuid.uuid4().hex, time.time())
+        batch = event.batch if event.batch is not None else BATCH.decode(self.store.fetch(event.batch_ref))
+        try:
+            await asyncio.to_thread(self._add, snapshot.committed, batch, snapshot.record.spec,
+                                    action is GroupAction.START_OVER)
+        except NonFiniteUpdate as exc:
+            await self.release(job, "term")
+            self.policy.evict(job)
+            await self._fail(job, version, f"non-finite update, not committed: {exc}")
+            return await delivery.term()
+        except Exception:  # the gradients may hold half a group: the version starts over
+            await self.release(job, "nak")
+            self.policy.evict(job)
+            raise
+        if self.pending.get(job) is not pending:  # released while it trained (its job finished)
+            return await delivery.term()
+        pending.held[event.group] = delivery
+        delivery.defer()
+        pending.events.append(event)
+        pending.sampled_versions.add(batch.policy_version)
+        pending.metrics.update(batch.metrics)  # the last group out carries the batch's episode figures
+        if batch_whole(pending.sequences(), event.groups):
+            del self.pending[job]
+            await self._step_and_commit(pending, event, snapshot)
+
+    def _add(self, committed: CommittedVersion, batch: TrajectoryBatch, spec: JobSpec, begin: bool) -> None:
+        """Load the job if it is cold (or at another version), begin its batch if asked, add the group."""
+        self._drop_finished()
+        with self.policy.lock:
+            if self.policy.hot_version(committed.job) != committed.version:
+                self._load(committed, spec)
+            if begin:
+                self.policy.begin_batch(committed.job)
+                self.policy.pinned.add(committed.job)  # its gradients must not be evicted half-way
+            self.policy.add_groups(committed.job, batch.samples, spec.grpo)
+
+    async def _step_and_commit(self, pending: PendingBatch, event: TrajectoryReady, snapshot: JobSnapshot) -> None:
+        """The step of a whole pipelined batch, then the commit protocol as for a whole batch."""
+        job, committed, spec = event.job, snapshot.committed, snapshot.record.spec
+        deliveries = list(pending.held.values())
+        sampled = next((v for v in sorted(pending.sampled_versions) if v != pending.version), pending.version)
+        try:
+            adapter_version, result = await asyncio.to_thread(self._step, job, spec)
+        except NonFiniteUpdate as exc:
+            self.policy.evict(job)
+            await self._fail(job, pending.version, f"non-finite update, not committed: {exc}")
+            for delivery in deliveries:
+                await delivery.term()
+            return
+        except Exception:
+            self.policy.evict(job)
+            for delivery in deliveries:
+                with contextlib.suppress(Exception):
+                    await delivery.nak(0.5)
+            raise
+        result.metrics.update(pending.metrics)
+        await record_span(self.bus, SERVICE, "train", job, pending.version, pending.began, time.time(),
+                          batch_id=event.batch_id, attempt=pending.attempt, batch_version=event.version,
+                          sampled_version=sampled, committed_version=committed.version,
+                          threads=torch.get_num_threads(), adapter_version=adapter_version,
+                          groups=len(deliveries), pipeline="groups", **result.metrics)
+        log.info("trained", job=job, version=pending.version, batch_id=event.batch_id, groups=len(deliveries),
+                 reward=round(result.metrics.get("reward/mean", float("nan")), 4),
+                 loss=round(result.metrics["loss"], 4))
+        await self._commit(deliveries, job, pending.version, snapshot, result, event.batch_id, pending.attempt,
+                           [e.batch_ref for e in pending.events if e.batch_ref is not None])
+
+    def _step(self, job: str, spec: JobSpec) -> tuple[int, StepResult]:
+        with self.policy.lock:
+            self.policy.pinned.discard(job)
+            trained_from = self.policy.hot_version(job)
+            return trained_from, self.policy.step(job, spec.grpo)
 
     async def _train_and_commit(self, delivery: Delivery, event: TrajectoryReady, snapshot: JobSnapshot) -> None:
         """Train the batch on the committed version, commit v+1 by compare-and-set against the
@@ -130,44 +282,64 @@ class Trainer:
                  reward=round(result.metrics.get("reward/mean", float("nan")), 4),
                  loss=round(result.metrics["loss"], 4))
 
+        await self._commit([delivery], job, version, snapshot, result, event.batch_id, attempt,
+                           [event.batch_ref] if event.batch_ref is not None else [])
+
+    async def _commit(self, deliveries: list[Delivery], job: str, version: int, snapshot: JobSnapshot,
+                      result: StepResult, batch_id: str, attempt: str, blobs: list) -> None:
+        """Commit v+1 by compare-and-set against the revision read, announce it, then ack the
+        batch's messages (one, or each group of a pipelined batch) and delete its blobs."""
         latest = await read_job(self.bus, job)
         if not may_commit(latest.record.state if latest else None):  # cancelled while it trained
             self.policy.evict(job)
             log.info("job finished during training; update discarded", job=job, version=version)
-            return await delivery.term()
+            for delivery in deliveries:
+                await delivery.term()
+            return
+        committed = snapshot.committed
         async with span(self.bus, SERVICE, "commit", job, version + 1, attempt=attempt):
             try:
-                new = await asyncio.to_thread(self._write, committed, result, event.batch_id)
+                new = await asyncio.to_thread(self._write, committed, result, batch_id)
                 maybe_crash(self.fault_crash_p, "written, not committed")
                 await self.bus.kv_update(VERSIONS_BUCKET, job, encode(new), snapshot.revision)
                 maybe_crash(self.fault_crash_p, "committed, not announced")
             except StaleRevision:
                 self.policy.evict(job)  # someone else committed v+1: our result is an orphan
                 log.warning("lost the commit race; batch terminated", job=job, version=version + 1)
-                return await delivery.term()
+                for delivery in deliveries:
+                    await delivery.term()
+                return
             except BaseException:
                 self.policy.evict(job)  # the in-memory v+1 was never committed: never train on it
                 raise
             await announce(self.bus, new)
-        await delivery.ack()
-        if event.batch_ref is not None:  # the batch is trained and committed: its blob is garbage
-            await asyncio.to_thread(self.store.delete, self.store.key_of(event.batch_ref.uri))
+        for delivery in deliveries:
+            await delivery.ack()
+        for blob in blobs:  # the batch is trained and committed: its blobs are garbage
+            await asyncio.to_thread(self.store.delete, self.store.key_of(blob.uri))
 
     def _train(self, committed: CommittedVersion, batch: TrajectoryBatch,
                spec: JobSpec) -> tuple[int, StepResult]:
         """Load the job if it is cold (or at another version), then one GRPO step; return the
         version of the in-memory adapter the step started from, and the step's result."""
-        while self.finished:
-            self.policy.evict(self.finished.pop())
+        self._drop_finished()
         with self.policy.lock:  # a Tinker request (another thread) must not evict the job in between
             if self.policy.hot_version(committed.job) != committed.version:
-                config_json, weights = read_adapter(self.store, committed.adapter)
-                optimizer = self.store.fetch(committed.optimizer) if committed.optimizer else None
-                self.policy.load(committed.job, committed.version, config_json, weights, optimizer, spec.grpo)
+                self._load(committed, spec)
             trained_from = self.policy.hot_version(committed.job)
             result = self.policy.train_step(committed.job, batch, spec.grpo)
         result.metrics.update(batch.metrics)  # rollout's figures (tool calls, turns) ride with the version
         return trained_from, result
+
+    def _drop_finished(self) -> None:
+        """Evict finished jobs from memory (in the training thread: never under a step)."""
+        while self.finished:
+            self.policy.evict(self.finished.pop())
+
+    def _load(self, committed: CommittedVersion, spec: JobSpec) -> None:
+        config_json, weights = read_adapter(self.store, committed.adapter)
+        optimizer = self.store.fetch(committed.optimizer) if committed.optimizer else None
+        self.policy.load(committed.job, committed.version, config_json, weights, optimizer, spec.grpo)
 
     def _write(self, committed: CommittedVersion, result: StepResult, batch_id: str) -> CommittedVersion:
         version = committed.version + 1
@@ -189,6 +361,7 @@ class Trainer:
             event = TRAJECTORY.decode(delivery.data)
         except EventDecodeError:  # not a batch at all: no job to fail (the consume loop logged why);
             return  # rollout never publishes one it could not read back (see its non-finite check)
+        await self.release(event.job, "term")
         self.policy.evict(event.job)
         await self._fail(event.job, event.version,
                          f"batch {event.batch_id} failed after {delivery.num_delivered} attempts: {exc}")
@@ -214,6 +387,7 @@ async def run(rt: Runtime) -> None:
     await asyncio.gather(
         rt.bus.consume("TRAJ", "trainer", subjects.trajectory_ready(), trainer.handle,
                        stop=rt.stop, ack_wait_s=rt.config.trainer.ack_wait_s, concurrency=1,
-                       on_give_up=trainer.give_up),
+                       on_give_up=trainer.give_up, max_ack_pending=MAX_HELD),
+        trainer.hold_alive(rt.stop),
         run_tinker(rt, policy),  # Tinker clients' requests, on the same policy (services/trainer/tinker_training.py)
     )

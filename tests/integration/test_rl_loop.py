@@ -318,6 +318,35 @@ def test_tempered_sampling_is_trained_on_policy(stack):
     assert audit_training([s for s in spans if s.job in {v.id for v in views}]) == []
 
 
+def test_group_pipelining_trains_while_later_groups_generate_and_makes_the_same_update(stack):
+    """grpo.pipeline = "groups" (the default): each group reaches the trainer as it is scored, so
+    the trainer's work on a version begins before its generation ends; the step waits for the
+    whole batch, so the first update equals the whole-batch one (same problems, same samples at
+    version 0: the same loss and the same rewards) and the audit holds."""
+    spec = {"task": "reverse", "steps": 3, "seed": 21, "grpo": {"prompts_per_step": 4, "group_size": 4}}
+    groups = wait_all(stack, [{**spec, "name": "pipelined"}])[0]
+    whole = wait_all(stack, [{**spec, "name": "whole", "grpo": {**spec["grpo"], "pipeline": "batch"}}])[0]
+    assert groups.state == whole.state == "completed" and groups.version == whole.version == 3
+    spans = run(all_spans(stack.nats_url))
+
+    def phase(job: str, name: str) -> dict:
+        return {s.version: s for s in spans if s.job == job and s.phase == name}
+
+    trained, generated = phase(groups.id, "train"), phase(groups.id, "generate")
+    assert sorted(trained) == [0, 1, 2]
+    assert all(t.attrs["pipeline"] == "groups" and t.attrs["groups"] == 4 for t in trained.values())
+    assert all("pipeline" not in t.attrs for t in phase(whole.id, "train").values())
+    # the trainer took the first groups while the last ones were still being generated
+    assert any(trained[v].start < generated[v].end for v in trained), {
+        v: (trained[v].start, generated[v].end) for v in trained}
+    assert groups.rewards[0] == whole.rewards[0]
+    first, first_whole = trained[0].attrs, phase(whole.id, "train")[0].attrs
+    assert first["tokens"] == first_whole["tokens"]
+    assert first["loss"] == pytest.approx(first_whole["loss"], rel=1e-4, abs=1e-6)
+    assert first["grad_norm"] == pytest.approx(first_whole["grad_norm"], rel=1e-3)
+    assert audit_training([s for s in spans if s.job in (groups.id, whole.id)]) == []
+
+
 def test_the_same_spec_twice_trains_on_the_same_problems(stack):
     """Problems and sampling seeds come from (task, dataset, seed, version), not the job id."""
     spec = {"name": "twice", "task": "addition", "steps": 2, "seed": 11}

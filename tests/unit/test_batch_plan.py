@@ -3,7 +3,15 @@
 import pytest
 
 from marlaas.platform.events import Blob, CommittedVersion, JobState, TrajectoryReady
-from services.trainer.batch_plan import BatchAction, BatchPlan, may_commit, plan_batch
+from services.trainer.batch_plan import (
+    BatchAction,
+    BatchPlan,
+    GroupAction,
+    batch_whole,
+    may_commit,
+    plan_batch,
+    plan_group,
+)
 
 JOB = "acme.j"
 
@@ -79,3 +87,39 @@ def test_only_the_drops_are_terminated():
 ])
 def test_an_update_is_committed_only_while_its_job_is_unfinished(state, expected):
     assert may_commit(state) is expected
+
+
+# --- the groups of a pipelined batch (grpo.pipeline = "groups") --------------------------------
+
+
+def test_the_first_group_of_a_version_begins_its_batch():
+    assert plan_group(0, 10, None, 3, {}, None) is GroupAction.START_OVER
+
+
+def test_a_new_group_joins_the_batch_in_progress():
+    assert plan_group(2, 12, 3, 3, {0: 10, 1: 11}, {0, 1}) is GroupAction.ADD
+
+
+def test_a_redelivered_group_replaces_its_held_delivery_and_is_not_added_again():
+    assert plan_group(1, 11, 3, 3, {0: 10, 1: 11}, {0, 1}) is GroupAction.SAME_MESSAGE
+
+
+def test_a_second_copy_of_an_added_group_is_acked_not_added():
+    """A rollout that samples the batch again past the broker's duplicate window publishes the
+    group anew (another stream sequence): one of the two is trained, never both."""
+    assert plan_group(1, 57, 3, 3, {0: 10, 1: 11}, {0, 1}) is GroupAction.COPY
+
+
+@pytest.mark.parametrize("pending_version,held,accumulated", [
+    (2, {0: 10}, {0}),  # a batch of the previous version is still held
+    (3, {0: 10, 1: 11}, None),  # the adapter was evicted: its gradients are gone
+    (3, {0: 10, 1: 11}, {0}),  # memory holds other groups than the ones held
+])
+def test_a_batch_whose_gradients_are_not_all_in_memory_starts_over(pending_version, held, accumulated):
+    assert plan_group(2, 12, pending_version, 3, held, accumulated) is GroupAction.START_OVER
+
+
+def test_a_batch_is_whole_with_every_group_numbered_once():
+    assert batch_whole({0: 1, 1: 2, 2: 3}, 3)
+    assert not batch_whole({0: 1, 2: 3}, 3)
+    assert not batch_whole({0: 1, 1: 2, 5: 3}, 3)

@@ -325,6 +325,46 @@ def test_micro_batched_loss_and_gradients_equal_the_whole_batch(perturbed, tempe
     assert worst < 1e-5 * max(1.0, scale)  # float32 summation order differs between the two paths
 
 
+@pytest.mark.parametrize("temperature,kl_coef", [(1.0, 0.0), (0.7, 0.0), (1.0, 0.2), (0.7, 0.2)])
+def test_the_pipelined_loss_and_gradients_equal_the_whole_batch(perturbed, temperature, kl_coef):
+    """grpo.pipeline = "groups": each group's gradients are added as it arrives (last group first
+    here), and the step divides by the batch's token count only then; loss, metrics and gradients
+    are the whole batch's (today's math, ``reference_loss``)."""
+    trainer, job = perturbed, "t.job"
+    settings = GrpoSettings(temperature=temperature, kl_coef=kl_coef)
+    data = uneven_batch(trainer, job, temperature)
+    params = trainer.hot[job].params
+    for p in params:
+        p.grad = None
+    expected = reference_loss(trainer, job, data, settings)
+    expected.backward()
+    expected_grads = [p.grad.clone() for p in params]
+    whole = trainer.accumulate_gradients(job, data, settings)
+
+    trainer.begin_batch(job)
+    arrivals = sorted({s.group for s in data.samples}, reverse=True)
+    assert len(arrivals) > 1
+    for group in arrivals:
+        trainer.add_groups(job, [s for s in data.samples if s.group == group], settings)
+        assert trainer.accumulated(job).groups >= {group}
+    got, accumulated = trainer.finish_gradients(job)
+    assert accumulated.groups == set(arrivals) and trainer.accumulated(job) is None
+    assert abs(got["loss"] - expected.item()) < 1e-5 * max(1.0, abs(expected.item()))
+    assert got["tokens"] == whole["tokens"] == sum(sum(s.loss_mask) for s in data.samples)
+    for key in ("clip_fraction", "kl", "logprob_gap", "tokens_scored"):
+        assert got[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
+    assert (got["kl"] > 0) == (kl_coef > 0)
+    worst = max((p.grad - g).abs().max().item() for p, g in zip(params, expected_grads))
+    scale = max(g.abs().max().item() for g in expected_grads)
+    assert scale > 1e-3  # the comparison is not vacuous
+    assert worst < 1e-5 * max(1.0, scale)
+
+
+def test_a_step_needs_a_batch_begun(perturbed):
+    with pytest.raises(RuntimeError, match="before begin_batch"):
+        perturbed.add_groups("t.job", [], GrpoSettings())
+
+
 def test_the_trainer_scores_the_tempered_policy(perturbed):
     trainer, job = perturbed, "t.job"
     data = uneven_batch(trainer, job, 0.7)

@@ -26,7 +26,7 @@ from pathlib import Path
 import msgspec
 
 from marlaas.bench.metrics import run_metrics, timeline
-from marlaas.bench.workload import BASELINE_LOOP, MODES, WORKLOAD_DIR, Workload
+from marlaas.bench.workload import BASELINE_LOOP, WORKLOAD_DIR, Workload, job_settings, stack_settings
 from marlaas.platform.bus import Bus
 from marlaas.platform.config import load_config
 from marlaas.platform.nats_client import BusClient
@@ -177,11 +177,16 @@ def run_mode(workload: Workload, mode: str, quick: bool, progress: Progress | No
     """Every sweep point of ``workload`` under schedule ``mode``, on one fresh stack."""
     counts = workload.job_counts(quick)
     runs = []
-    with bench_stack({**workload.overrides(), **MODES[mode]}, max(counts), base_model) as stack:
-        warm_up(stack, workload.one_of_each(f"{mode}-warmup"), f"{mode} warm-up", progress)
+    settings = job_settings(mode)
+
+    def with_mode(submissions: list[dict]) -> list[dict]:
+        return [{**s, "grpo": {**s.get("grpo", {}), **settings}} if settings else s for s in submissions]
+
+    with bench_stack({**workload.overrides(), **stack_settings(mode)}, max(counts), base_model) as stack:
+        warm_up(stack, with_mode(workload.one_of_each(f"{mode}-warmup")), f"{mode} warm-up", progress)
         for n in counts:
             label = f"{mode}-{n}"
-            run = measure(stack, workload.submissions(n, quick, label), label, progress, timeout_s)
+            run = measure(stack, with_mode(workload.submissions(n, quick, label)), label, progress, timeout_s)
             runs.append({"mode": mode, **run})
     return runs
 

@@ -41,7 +41,21 @@ MODES: dict[str, dict[str, Any]] = {
     "async-single-lora": {"manager.schedule": "async", "rollout.multi_lora": False},
     "sync-single-lora": {"manager.schedule": "sync", "rollout.multi_lora": False},
     "async-adaptive": {"manager.schedule": "async", "manager.admission": "adaptive"},
+    # within one job: whole batches (generate, then train) against complete-group pipelining;
+    # ``grpo.*`` keys are the jobs' settings, not the stack's (``job_settings``)
+    "async-batch": {"manager.schedule": "async", "grpo.pipeline": "batch"},
+    "async-groups": {"manager.schedule": "async", "grpo.pipeline": "groups"},
 }
+
+
+def stack_settings(mode: str) -> dict[str, Any]:
+    """The stack's settings of ``mode`` (dotted config keys)."""
+    return {k: v for k, v in MODES[mode].items() if not k.startswith("grpo.")}
+
+
+def job_settings(mode: str) -> dict[str, Any]:
+    """The ``grpo`` settings ``mode`` gives every job it runs."""
+    return {k.removeprefix("grpo."): v for k, v in MODES[mode].items() if k.startswith("grpo.")}
 BASELINE_LOOP = "inprocess"  # not a schedule: the single-user loop of benchmarks/inprocess_grpo.py
 WORKLOAD_DIR = Path(__file__).resolve().parents[3] / "benchmarks" / "workloads"
 

@@ -526,7 +526,7 @@ class Bus:
         self, stream: str, durable: str, subject: str, handler: Handler, *,
         stop: asyncio.Event, ack_wait_s: float = 30.0, max_deliver: int = 20,
         concurrency: int = 1, retry_delay_s: float = 1.0, deliver_new: bool = False,
-        on_give_up: GiveUp | None = None,
+        on_give_up: GiveUp | None = None, max_ack_pending: int = 0,
     ) -> None:
         """Run ``handler`` on each message of a durable pull consumer until ``stop`` is set.
 
@@ -538,10 +538,12 @@ class Bus:
         leader elections are ridden out: the loop keeps fetching once NATS is back, and after
         :data:`CONSUMER_CHECK_AFTER` refused fetches in a row it adds the durable consumer again
         if it is gone (nats-py never recreates one, and would be refused for ever).
+        ``max_ack_pending`` (default: 4 x ``concurrency``) must cover the messages a handler
+        defers (:meth:`Delivery.defer`) and holds unsettled, or the consumer stops delivering.
         """
         config = ConsumerConfig(
             durable_name=durable, filter_subject=subject, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s,
-            max_deliver=max_deliver, max_ack_pending=max(concurrency, 1) * 4,
+            max_deliver=max_deliver, max_ack_pending=max_ack_pending or max(concurrency, 1) * 4,
             deliver_policy=DeliverPolicy.NEW if deliver_new else DeliverPolicy.ALL,
         )
         slots = asyncio.Semaphore(concurrency)

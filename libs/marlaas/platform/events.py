@@ -36,6 +36,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
 
 # what becomes of an episode that ends before the model answered (length, max_tool_calls, context_full)
 TRUNCATED_MODES = ("train", "zero", "drop")
+PIPELINE_MODES = ("groups", "batch")
 
 
 class GrpoSettings(Wire):
@@ -58,6 +59,10 @@ class GrpoSettings(Wire):
     # like any other; "zero" = reward 0 (a penalty for not answering); "drop" = left out of the batch
     # (DAPO's overlong filtering: not trained on, not part of its group's baseline)
     truncated: str = "train"
+    # "groups": rollout publishes each GRPO group as soon as it is scored and the trainer adds its
+    # gradients while later groups are still generated, stepping once the batch is whole (the same
+    # update, strictly on-policy); "batch": the whole batch is published, then trained
+    pipeline: str = "groups"
 
 
 class LoraSettings(Wire):
@@ -206,7 +211,8 @@ class TrajectoryBatch(Wire):
 
 
 class TrajectoryReady(Event, tag="trajectory.ready"):
-    """A batch sampled with ``version``; inline when small, else by ``batch_ref``."""
+    """A batch sampled with ``version``, or one GRPO group of it (``group`` >= 0, one of ``groups``:
+    ``grpo.pipeline = "groups"``); inline when small, else by ``batch_ref``."""
 
     job: str
     version: int
@@ -214,6 +220,8 @@ class TrajectoryReady(Event, tag="trajectory.ready"):
     batch: TrajectoryBatch | None = None
     batch_ref: Blob | None = None
     sampled_at: float = 0.0
+    group: int = -1  # -1: the whole batch
+    groups: int = 0  # how many groups make the batch (when ``group`` >= 0)
 
 
 TrajectoryEvent = TrajectoryReady

@@ -21,6 +21,9 @@ MAX_JOB_SEED = 2**63 - 1  # a job's seed: a signed 64-bit integer, as numpy and 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 5.0
 # upper bounds of a job's other numbers: generous for real jobs, and within what torch, peft and vLLM take
 MAX_PROMPTS_PER_STEP, MAX_GROUP_SIZE = 4096, 1024
+# grpo.pipeline = "groups": a batch of more groups than this travels whole (the trainer holds each
+# group of a batch in progress unacked; see services/trainer/service.py)
+MAX_PIPELINED_GROUPS = 256
 MAX_LORA_ALPHA = 4096
 MAX_NAME_CHARS = 64
 MAX_EVAL_PROBLEMS = 1000

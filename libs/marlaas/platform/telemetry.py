@@ -29,8 +29,14 @@ async def span(bus: Bus, service: str, phase: str, job: str, version: int, **att
     start = time.time()
     extra: dict = {**attrs, "pid": os.getpid()}  # which replica recorded it
     yield extra
-    record = Span(job=job, service=service, phase=phase, version=version, start=start,
-                  end=time.time(), attrs=extra)
+    await record_span(bus, service, phase, job, version, start, time.time(), **extra)
+
+
+async def record_span(bus: Bus, service: str, phase: str, job: str, version: int, start: float, end: float,
+                      **attrs) -> None:
+    """Publish a :class:`Span` timed by the caller (work that is not one block of code)."""
+    record = Span(job=job, service=service, phase=phase, version=version, start=start, end=end,
+                  attrs={"pid": os.getpid(), **attrs})
     try:
         await bus.publish(subjects.span(job), encode(record))
     except Exception as exc:  # telemetry never fails the work it measures
