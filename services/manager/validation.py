@@ -80,6 +80,9 @@ def field_problems(request: api.SubmitRequest, facts: StackFacts) -> list[str]:
          f"(what becomes of an episode cut off before it answered), not {grpo.truncated!r}"),
         (grpo.pipeline not in PIPELINE_MODES, f"grpo.pipeline must be one of {', '.join(PIPELINE_MODES)} ('groups': "
          f"each group is trained as soon as it is scored; 'batch': the whole batch at once), not {grpo.pipeline!r}"),
+        (not 0 <= grpo.max_staleness <= limits.MAX_STALENESS,
+         f"grpo.max_staleness must be between 0 and {limits.MAX_STALENESS} (0: every batch is sampled by the "
+         "version it trains; k: by a version up to k behind it)"),
         (grpo.ignore_eos and grpo.truncated != "train", "grpo.ignore_eos makes every episode end by length "
          "(truncated): with it, grpo.truncated must be 'train'"),
         (not 1 <= lora.rank <= facts.max_lora_rank,

@@ -23,7 +23,7 @@ import structlog
 from marlaas.platform import limits, subjects
 from marlaas.platform.adapters import attempt_prefix, materialize
 from marlaas.platform.bus import JOBS_BUCKET, SAMPLED_BUCKET, Bus, Delivery, PoisonMessage
-from marlaas.platform.commits import read_job, report_failure
+from marlaas.platform.commits import read_job, report_failure, to_announcement
 from marlaas.platform.events import (
     JOB,
     JOB_RECORD,
@@ -49,7 +49,7 @@ from marlaas.platform.telemetry import UTILIZATION_JOB, record_span, span
 from marlaas.tasks import Task, TaskError, get_task
 from marlaas.tools.registry import reward_subject
 from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
-from services.rollout.announcements import Reaction, plan_announcement
+from services.rollout.announcements import Reaction, next_step, plan_announcement
 from services.rollout.engine import PolicyEngine
 from services.rollout.episode import Episode, episode_metrics, settle_truncated, to_score
 from services.rollout.liveness import Liveness
@@ -127,7 +127,7 @@ class Rollout:
         self.tasks: dict[str, Task] = {}
         self.adapter_locks: dict[str, asyncio.Lock] = {}
         self.finished: set[str] = set()  # jobs forgotten: never load an adapter for them again
-        self.sampling: set[tuple[str, int]] = set()  # (job, version) being sampled by this process
+        self.sampling: set[tuple[str, int]] = set()  # (job, step) being sampled by this process
         self.eval_tasks: dict[str, Task] = {}  # each job's held-out task (its eval_dataset, if any)
         self.pinned: dict[str, object] = {}  # STALE_ADAPTER_FAULT only: each job's first adapter dir
         # the paper's ablations: sync rounds with a global barrier, and no multi-LoRA batching
@@ -174,8 +174,9 @@ class Rollout:
         spec = state.record.spec
         if self.engine.dead:  # vLLM's engine core died: exit, so the supervisor restarts this replica
             raise EngineGone("the vLLM engine is dead")
-        plan = plan_announcement(version, state.record, state.committed.version,
-                                 await sampled_version(self.bus, job), (job, version) in self.sampling)
+        sampled = await sampled_version(self.bus, job)
+        plan = plan_announcement(version, state.record, state.committed.version, sampled,
+                                 (job, sampled + 1) in self.sampling)
         if plan.evaluate_final:
             async with delivery.keep_alive():
                 await self.evaluate(spec, event)  # the last version is scored too
@@ -183,31 +184,49 @@ class Rollout:
             return await self.forget(job)
         if plan.reaction is not Reaction.SAMPLE:
             return  # an old announcement, or a repeat of the current one: never sampled twice
-        self.sampling.add((job, version))  # no await since the plan: no other task slips in between
-        try:
-            await self.sample_and_publish(delivery, spec, event)
-        finally:
-            self.sampling.discard((job, version))
+        step = sampled + 1
+        if state.committed.version != version:  # an older announcement, at bounded staleness
+            event = to_announcement(state.committed)
+        while True:
+            self.sampling.add((job, step))  # no await since the plan: no other task slips in between
+            try:
+                await self.sample_and_publish(delivery, spec, event, step)
+            finally:
+                self.sampling.discard((job, step))
+            if not spec.grpo.max_staleness:
+                return
+            # bounded staleness: sample the next step ahead with the newest committed version, while
+            # the trainer trains, as long as it is within the job's bound
+            state = await read_job(self.bus, job)
+            if state is None or state.record.state.finished or self.engine.dead:
+                return
+            sampled = await sampled_version(self.bus, job)
+            step = next_step(sampled, state.committed.version, spec.steps, spec.grpo.max_staleness)
+            if step is None or (job, step) in self.sampling:
+                return
+            event = to_announcement(state.committed)
 
-    async def sample_and_publish(self, delivery: Delivery, spec: JobSpec, event: PolicyCommitted) -> None:
-        """Sample the version's batch (in its round, under ``sync``), publish it, record it as
-        sampled, then evaluate the version if it is due."""
+    async def sample_and_publish(self, delivery: Delivery, spec: JobSpec, event: PolicyCommitted,
+                                 step: int) -> None:
+        """Sample the batch of ``step`` with ``event``'s version (the same at max_staleness 0; in
+        its round, under ``sync``), publish it, record it as sampled, then evaluate the version if
+        it is due."""
         job, version = spec.id, event.version
         async with delivery.keep_alive():
             if self.rounds is None and pipelined(spec.grpo):  # each group published as it is scored
-                batch = await self.sample_groups(spec, event)
+                batch = await self.sample_groups(spec, event, step)
             elif self.rounds is None:
-                batch = await self.sample_batch(spec, event)
+                batch = await self.sample_batch(spec, event, step)
             else:  # sync rounds (the paper's baseline) keep whole batches: the barrier is per batch
                 async with self.rounds.member(job) as round_:
-                    batch = await self.sample_batch(spec, event)
+                    batch = await self.sample_batch(spec, event, step)
                     await round_.sampled(job)  # the barrier: no round member trains before all sampled
             if batch is not None:
                 if batch is not PUBLISHED:
-                    await publish_batch(self.bus, self.store, job, version, batch)
-                await record_sampled(self.bus, job, version)
-                if spec.eval_every and version % spec.eval_every == 0:  # after the batch: the trainer
-                    await self.evaluate(spec, event)  # works on it meanwhile; the next batch waits one eval
+                    await publish_batch(self.bus, self.store, job, step, batch)
+                await record_sampled(self.bus, job, step)
+                if spec.eval_every and version % spec.eval_every == 0 and step == version:  # after the
+                    await self.evaluate(spec, event)  # batch: the trainer works on it; the next waits one eval
 
     async def evaluate(self, spec: JobSpec, event: PolicyCommitted) -> None:
         """Score ``event.version`` greedily on the job's held-out set; publish it as ``job.eval``."""
@@ -290,10 +309,11 @@ class Rollout:
         await report_failure(self.bus, event.job, SERVICE,
                              f"sampling version {event.version} failed: {exc}", event.version)
 
-    async def sample_batch(self, spec: JobSpec, event: PolicyCommitted) -> TrajectoryBatch | None:
-        """The job's next GRPO batch with version ``event.version``; None if the job just finished."""
+    async def sample_batch(self, spec: JobSpec, event: PolicyCommitted, step: int) -> TrajectoryBatch | None:
+        """The job's GRPO batch of ``step`` with version ``event.version`` (the same, but at
+        bounded staleness); None if the job just finished."""
         task, grpo, version = self.task_of(spec), spec.grpo, event.version
-        problems = task.problems(grpo.prompts_per_step, batch_seed(spec, version))
+        problems = task.problems(grpo.prompts_per_step, batch_seed(spec, step))
         prompt_ids = [self.prompt_ids(spec, p) for p in problems]
         # vLLM may (re)load an adapter from its directory whenever a request uses it, so the
         # job's cleanup (forget) waits until its generation is done
@@ -301,10 +321,10 @@ class Rollout:
             lora = await self.load_adapter(spec.id, version, event)
             if lora is None:
                 return None
-            async with span(self.bus, SERVICE, "generate", spec.id, version,
+            async with span(self.bus, SERVICE, "generate", spec.id, step, sampled_version=version,
                             problems_sha=digest([p.get("prompt", p.get("messages")) for p in problems])) as attrs:
                 episodes = await asyncio.gather(*(
-                    self.episode(spec, task, ids, lora, version, i, j)
+                    self.episode(spec, task, ids, lora, step, i, j)
                     for i, ids in enumerate(prompt_ids) for j in range(grpo.group_size)))
                 attrs["completions"] = len(episodes)
                 attrs["tokens"] = sum(len(seg.ids) for e in episodes for seg in e.segments if seg.kind == "sampled")
@@ -313,7 +333,7 @@ class Rollout:
         # decoding the model's output is CPU work on untrusted ids: off the event loop
         texts = await asyncio.to_thread(lambda: [self.transcript(e) for e in episodes])
         scored = to_score(episodes, grpo.truncated)
-        async with span(self.bus, SERVICE, "reward", spec.id, version) as attrs:
+        async with span(self.bus, SERVICE, "reward", spec.id, step) as attrs:
             finals = await asyncio.to_thread(
                 lambda: [self.final_turn(e) if s else "" for e, s in zip(episodes, scored)])
             pairs = [(problems[k // grpo.group_size], final)
@@ -330,7 +350,7 @@ class Rollout:
         return TrajectoryBatch(samples=samples, policy_version=self.engine.loaded_version(spec.id),
                                metrics=metrics)
 
-    async def sample_groups(self, spec: JobSpec, event: PolicyCommitted) -> TrajectoryBatch | None:
+    async def sample_groups(self, spec: JobSpec, event: PolicyCommitted, step: int) -> TrajectoryBatch | None:
         """``grpo.pipeline = "groups"``: sample the version's batch as :meth:`sample_batch` does, but
         score each GRPO group and publish it (``publish_group``) the moment its last episode ends,
         so the trainer works on it while later groups are generated. The last group out carries
@@ -339,13 +359,13 @@ class Rollout:
         again, and the groups already out are dropped as repeats (by the broker within its
         duplicate window, by the trainer after it)."""
         task, grpo, version = self.task_of(spec), spec.grpo, event.version
-        problems = task.problems(grpo.prompts_per_step, batch_seed(spec, version))
+        problems = task.problems(grpo.prompts_per_step, batch_seed(spec, step))
         prompt_ids = [self.prompt_ids(spec, p) for p in problems]
         every: dict[int, tuple[list[Episode], list[float | None]]] = {}
         reward_times: list[tuple[float, float]] = []
 
         async def group(i: int, ids: list[int], lora) -> None:
-            episodes = await asyncio.gather(*(self.episode(spec, task, ids, lora, version, i, j)
+            episodes = await asyncio.gather(*(self.episode(spec, task, ids, lora, step, i, j)
                                               for j in range(grpo.group_size)))
             texts = await asyncio.to_thread(lambda: [self.transcript(e) for e in episodes])
             scored = to_score(episodes, grpo.truncated)
@@ -364,7 +384,7 @@ class Rollout:
             last = len(every) == len(prompt_ids)  # no await since the line above: the last group out knows
             metrics = self.batch_metrics(task, grpo, [e for k in sorted(every) for e in every[k][0]],
                                          sum(r is not None for _, rs in every.values() for r in rs)) if last else {}
-            await publish_group(self.bus, self.store, spec.id, version, i, len(prompt_ids), TrajectoryBatch(
+            await publish_group(self.bus, self.store, spec.id, step, i, len(prompt_ids), TrajectoryBatch(
                 samples=samples, policy_version=self.engine.loaded_version(spec.id), metrics=metrics))
 
         async with self._lock(spec.id), self.engine_turn():
@@ -376,12 +396,12 @@ class Rollout:
         episodes = [e for k in sorted(every) for e in every[k][0]]
         rewards = [r for k in sorted(every) for r in every[k][1]]
         generate = {"problems_sha": digest([p.get("prompt", p.get("messages")) for p in problems]),
-                    "completions": len(episodes), "pipeline": "groups",
+                    "completions": len(episodes), "pipeline": "groups", "sampled_version": version,
                     "tokens": sum(len(seg.ids) for e in episodes for seg in e.segments if seg.kind == "sampled"),
                     **(episode_metrics(episodes) if task.kind == "agentic" else {})}
         generated = max(scoring_began for scoring_began, _ in reward_times)  # the last group's last episode
-        await record_span(self.bus, SERVICE, "generate", spec.id, version, started, generated, **generate)
-        await record_span(self.bus, SERVICE, "reward", spec.id, version, min(s for s, _ in reward_times),
+        await record_span(self.bus, SERVICE, "generate", spec.id, step, started, generated, **generate)
+        await record_span(self.bus, SERVICE, "reward", spec.id, step, min(s for s, _ in reward_times),
                           max(e for _, e in reward_times),
                           rewards_sha=digest([None if r is None else round(r, 6) for r in rewards]))
         return PUBLISHED
@@ -395,9 +415,10 @@ class Rollout:
             metrics["episode/dropped"] = float(len(episodes) - kept)
         return metrics
 
-    async def episode(self, spec: JobSpec, task: Task, prompt_ids: list[int], lora, version: int,
+    async def episode(self, spec: JobSpec, task: Task, prompt_ids: list[int], lora, step: int,
                       prompt: int, sample: int, temperature: float | None = None) -> Episode:
-        """One sample: a single turn for single-turn tasks, a tool-using episode for agentic ones."""
+        """One sample: a single turn for single-turn tasks, a tool-using episode for agentic ones
+        (one adapter version, ``lora``, from its first token to its last); ``step`` seeds it."""
         grpo, rc = spec.grpo, self.config.rollout
         limits = EpisodeLimits(
             max_new_tokens=grpo.max_new_tokens,
@@ -411,7 +432,7 @@ class Rollout:
         return await run_episode(
             self.engine, self.format, prompt_ids, tools=tools, limits=limits,
             temperature=grpo.temperature if temperature is None else temperature,
-            lora=lora, seed=lambda turn: sample_seed(spec, version, prompt, sample, turn),
+            lora=lora, seed=lambda turn: sample_seed(spec, step, prompt, sample, turn),
             ignore_eos=grpo.ignore_eos and temperature is None)  # evaluations answer freely
 
     def watched_request(self, job: str):
@@ -482,7 +503,8 @@ def tool_context(spec: JobSpec, task: Task) -> dict[str, str]:
 
 
 async def sampled_version(bus: Bus, job: str) -> int:
-    """The last version of ``job`` whose batch rollout published (-1: none)."""
+    """The last step of ``job`` whose batch rollout published (-1: none; the step a batch trains
+    is the version it was sampled by, but at bounded staleness)."""
     entry = await bus.kv_get(SAMPLED_BUCKET, job)
     return int(entry.value) if entry else -1
 

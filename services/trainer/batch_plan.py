@@ -24,6 +24,7 @@ class BatchAction(enum.Enum):
     DROP_FINISHED = "drop-finished"  # the job is completed, failed or cancelled: terminate
     DROP_OFF_POLICY = "drop-off-policy"  # sampled from another version than the committed one: terminate
     REANNOUNCE = "reannounce"  # this batch made the committed version: announce it again, ack
+    WAIT = "wait"  # of a later step, within the job's max_staleness: delivered again once its turn comes
 
     @property
     def drops(self) -> bool:
@@ -41,9 +42,14 @@ class BatchPlan:
     fields: dict[str, Any] = field(default_factory=dict)
 
 
-def plan_batch(event: TrajectoryReady, state: JobState | None, committed: CommittedVersion | None) -> BatchPlan:
+def plan_batch(event: TrajectoryReady, state: JobState | None, committed: CommittedVersion | None,
+               max_staleness: int = 0) -> BatchPlan:
     """The plan for ``event``, given the job's state and committed version (both None when the
-    job is unknown: its record or its ``versions`` entry is missing)."""
+    job is unknown: its record or its ``versions`` entry is missing). ``event.version`` is the
+    step the batch trains (the version it is trained from); with ``max_staleness`` k >= 1 rollout
+    samples up to k steps ahead of the committed version, and a batch of a later step than the
+    committed one can arrive before the one in between is trained (a trainer restarted with a
+    batch in progress): it waits its turn."""
     job = event.job
     if state is None or committed is None:
         return BatchPlan(BatchAction.DROP_UNKNOWN, "error", "batch for an unknown job; terminated",
@@ -55,6 +61,9 @@ def plan_batch(event: TrajectoryReady, state: JobState | None, committed: Commit
         return BatchPlan(BatchAction.TRAIN)
     if committed.version == event.version + 1 and committed.batch_id == event.batch_id:
         return BatchPlan(BatchAction.REANNOUNCE)  # committed, but the announcement may be lost
+    if 0 < event.version - committed.version <= max_staleness:
+        return BatchPlan(BatchAction.WAIT, "info", "batch of a later step; waiting for its turn",
+                         {"job": job, "batch_version": event.version, "committed_version": committed.version})
     return BatchPlan(BatchAction.DROP_OFF_POLICY, "warning", "off-policy batch terminated",
                      {"job": job, "batch_version": event.version, "committed_version": committed.version,
                       "batch_id": event.batch_id})
@@ -92,3 +101,17 @@ def plan_group(group: int, sequence: int, pending_version: int | None, version: 
 def batch_whole(held: dict[int, int], groups: int) -> bool:
     """Whether every group of the batch is in (groups are numbered 0..groups-1)."""
     return len(held) == groups and set(held) == set(range(groups))
+
+
+def staleness_problem(step: int, sampled_version: int, max_staleness: int) -> str:
+    """Why a batch for ``step`` sampled by ``sampled_version`` must not be trained ("" if it may):
+    its sampler more than ``max_staleness`` versions behind, or ahead of, the version it trains."""
+    if sampled_version < 0:
+        return ""  # no record of its sampler (not from rollout): the audit has the last word
+    staleness = step - sampled_version
+    if staleness < 0:
+        return f"batch for step {step} claims to be sampled by version {sampled_version}, which is not committed yet"
+    if staleness > max_staleness:
+        return (f"batch for step {step} was sampled by version {sampled_version}, {staleness} behind: more than "
+                f"grpo.max_staleness = {max_staleness}; dropped, not trained")
+    return ""

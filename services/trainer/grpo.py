@@ -25,6 +25,21 @@ logprobs (no top-k / top-p), so the trainer scores the same tempered distributio
 and so is the reference of the KL term; scoring at tau = 1 would make rho != 1 on
 every token of an on-policy batch.
 
+Bounded staleness (``grpo.max_staleness`` = k >= 1): a batch may be sampled by a version b up
+to k behind the version s it trains (the behaviour policy mu = pi_b; the engine's logprobs are
+mu's). It is trained with the decoupled objective (AReaL's decoupled PPO): the proximal policy
+is the committed version s itself (pi_prox = pi_theta before the step, detached), and
+
+    w_it     = min(exp(logp_prox(y_it) - logp_mu(y_it)), W)                # truncated, W = 2
+    r_it     = exp(logp_theta(y_it) - logp_prox(y_it))                     # 1 at the one step
+    L_clip   = -sum_it m_it * w_it * min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) / N
+
+so the gradient is the importance-weighted policy gradient with the off-policy gap corrected
+token by token, and the clip (eps, the job's clip_eps) bounds the move from the proximal policy,
+not from the stale behaviour policy. A batch of staleness 0 keeps the formula above (rho against
+the sampler's logprobs). ``logprob_gap`` is then the behaviour gap |logp_prox - logp_mu|, large
+by design; the audit checks it only on batches of staleness 0.
+
 Micro-batching is exact: L is a sum over tokens divided by the constant N of the
 *whole* batch, so a micro-batch contributes its own token sum over that same N
 (``grpo_loss(..., total_tokens=N)``) and the accumulated gradients and summed
@@ -41,6 +56,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+BEHAVIOUR_WEIGHT_CAP = 2.0  # W: a stale batch's importance weights pi_prox / mu are truncated here
 
 
 def group_advantages(rewards_B: torch.Tensor, groups_B: torch.Tensor, scale_by_std: bool = True) -> torch.Tensor:
@@ -137,22 +154,29 @@ def grpo_loss(
     logprobs_B_T: torch.Tensor, sample_logprobs_B_T: torch.Tensor, mask_B_T: torch.Tensor,
     advantages_B: torch.Tensor, clip_eps: float, kl_coef: float = 0.0,
     ref_logprobs_B_T: torch.Tensor | None = None, total_tokens: float | None = None,
+    decoupled: bool = False,
 ) -> GrpoLoss:
     """Token-level clipped policy-gradient loss plus the optional k3 KL to the reference.
 
     ``total_tokens`` is N, the masked-token count of the whole batch; pass it when
     these rows are one micro-batch, and the results (loss and metrics) are this
     micro-batch's share, which sum over micro-batches to the whole-batch values.
-    Defaults to this call's own mask count.
+    Defaults to this call's own mask count. ``decoupled``: the rows were sampled by an older
+    version (``sample_logprobs_B_T`` are the behaviour policy's): the decoupled objective above.
     """
     mask_B_T = mask_B_T.float()
     tokens = max(float(mask_B_T.sum()) if total_tokens is None else total_tokens, 1.0)
     log_ratio_B_T = (logprobs_B_T - sample_logprobs_B_T) * mask_B_T
-    ratio_B_T = torch.exp(log_ratio_B_T)
+    weights_B_T = torch.ones_like(mask_B_T)
+    if decoupled:  # ratio against the proximal policy (this version, detached), weighted by pi_prox / mu
+        weights_B_T = torch.exp(log_ratio_B_T.detach()).clamp(max=BEHAVIOUR_WEIGHT_CAP)
+        ratio_B_T = torch.exp((logprobs_B_T - logprobs_B_T.detach()) * mask_B_T)
+    else:
+        ratio_B_T = torch.exp(log_ratio_B_T)
     adv_B_1 = advantages_B.unsqueeze(-1)
     unclipped = ratio_B_T * adv_B_1
     clipped = torch.clamp(ratio_B_T, 1 - clip_eps, 1 + clip_eps) * adv_B_1
-    loss = -(torch.minimum(unclipped, clipped) * mask_B_T).sum() / tokens
+    loss = -(weights_B_T * torch.minimum(unclipped, clipped) * mask_B_T).sum() / tokens
     kl = torch.tensor(0.0)
     if kl_coef > 0:
         if ref_logprobs_B_T is None:

@@ -269,7 +269,7 @@ class PolicyTrainer:
         """One optimizer step on ``batch``; the job moves to version + 1 in memory."""
         with self.lock:
             self.begin_batch(job)
-            self.add_groups(job, batch.samples, settings)
+            self.add_groups(job, batch.samples, settings, batch.policy_version)
             return self.step(job, settings)
 
     def begin_batch(self, job: str) -> None:
@@ -283,7 +283,8 @@ class PolicyTrainer:
         hot = self.hot.get(job)
         return hot.accumulated if hot else None
 
-    def add_groups(self, job: str, samples: list[Sample], settings: GrpoSettings) -> None:
+    def add_groups(self, job: str, samples: list[Sample], settings: GrpoSettings,
+                   sampled_version: int | None = None) -> None:
         """Add the GRPO gradients of complete groups (every sample of each group present) to the
         job's batch in progress, one micro-batch at a time; call with ``lock`` held.
 
@@ -296,10 +297,13 @@ class PolicyTrainer:
         of a group whose rewards are all equal) adds exactly 0 to the loss and to every
         gradient, whatever its logprobs: it is not run through the model at all, but its
         tokens still count in N. ``clip_fraction`` and ``logprob_gap`` are then averages over
-        the scored tokens (``tokens_scored``) rather than all ``tokens``.
+        the scored tokens (``tokens_scored``) rather than all ``tokens``. Samples of an older
+        version than the job's (``sampled_version``, bounded staleness) are trained with the
+        decoupled objective (grpo.py).
         """
         hot = self.hot[job]
         acc = hot.accumulated
+        decoupled = sampled_version is not None and 0 <= sampled_version < hot.version
         if acc is None:
             raise RuntimeError(f"add_groups for {job} before begin_batch")
         self.hot.move_to_end(job)
@@ -316,7 +320,8 @@ class PolicyTrainer:
         lengths = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in scored]
         for rows in micro_batches(lengths, self.micro_batch_tokens):
             picked = [scored[r] for r in rows]
-            out = self._micro_batch_loss([samples[i] for i in picked], advantages_B[picked], 1.0, settings)
+            out = self._micro_batch_loss([samples[i] for i in picked], advantages_B[picked], 1.0, settings,
+                                         decoupled)
             if not torch.isfinite(out.loss):
                 raise NonFiniteUpdate(f"loss is {out.loss.item()} at version {hot.version}")
             if out.loss.requires_grad:  # no masked token in this micro-batch: nothing to backpropagate
@@ -333,7 +338,7 @@ class PolicyTrainer:
         """Set the job's gradients to those of the whole batch's GRPO loss, and return the loss
         and its metrics, without stepping (call with ``lock`` held)."""
         self.begin_batch(job)
-        self.add_groups(job, batch.samples, settings)
+        self.add_groups(job, batch.samples, settings, batch.policy_version)
         return self.finish_gradients(job)[0]
 
     def finish_gradients(self, job: str) -> tuple[dict[str, float], Accumulated]:
@@ -377,7 +382,7 @@ class PolicyTrainer:
         return StepResult(*self.export(job), metrics=metrics)
 
     def _micro_batch_loss(self, samples: list[Sample], advantages_M: torch.Tensor, total_tokens: float,
-                          settings: GrpoSettings) -> GrpoLoss:
+                          settings: GrpoSettings, decoupled: bool = False) -> GrpoLoss:
         """These samples' share of the batch loss (their token sums over the batch's ``total_tokens``)."""
         tokens_M_T, mask_M_T, sample_lp_M_T = self._pack(samples)
         ref_lp_M_T = None
@@ -386,7 +391,7 @@ class PolicyTrainer:
                 ref_lp_M_T = self._score(tokens_M_T, mask_M_T, settings.temperature)
         logprobs_M_T = self._score(tokens_M_T, mask_M_T, settings.temperature)
         return grpo_loss(logprobs_M_T, sample_lp_M_T, mask_M_T, advantages_M, settings.clip_eps,
-                         settings.kl_coef, ref_lp_M_T, total_tokens=total_tokens)
+                         settings.kl_coef, ref_lp_M_T, total_tokens=total_tokens, decoupled=decoupled)
 
     def _score(self, tokens_B_T: torch.Tensor, mask_B_T: torch.Tensor, temperature: float) -> torch.Tensor:
         """Tempered logprobs of the masked-in tokens (0 elsewhere) under the model as it is set.

@@ -44,7 +44,15 @@ from marlaas.platform.events import (
 from marlaas.platform.runtime import Runtime
 from marlaas.platform.store import ObjectStore
 from marlaas.platform.telemetry import record_span, span
-from services.trainer.batch_plan import BatchAction, GroupAction, batch_whole, may_commit, plan_batch, plan_group
+from services.trainer.batch_plan import (
+    BatchAction,
+    GroupAction,
+    batch_whole,
+    may_commit,
+    plan_batch,
+    plan_group,
+    staleness_problem,
+)
 from services.trainer.policy import NonFiniteUpdate, PolicyTrainer, StepResult, torch_threads
 from services.trainer.tinker_training import run_tinker
 
@@ -53,6 +61,7 @@ SERVICE = "trainer"
 # messages the trainer's consumer may hold unacked: the groups of every pipelined batch in progress
 # (at most limits.MAX_PIPELINED_GROUPS a job, one batch a job)
 MAX_HELD = 65536
+WAIT_S = 3.0  # a batch of a later step (bounded staleness) is delivered again after this
 
 
 @dataclass
@@ -116,7 +125,7 @@ class Trainer:
         await self.release_finished()
         snapshot = await read_job(self.bus, event.job)
         state, committed = (snapshot.record.state, snapshot.committed) if snapshot else (None, None)
-        plan = plan_batch(event, state, committed)
+        plan = plan_batch(event, state, committed, snapshot.record.spec.grpo.max_staleness if snapshot else 0)
         if plan.message:
             getattr(log, plan.level)(plan.message, **plan.fields)
         pending = self.pending.get(event.job)
@@ -127,6 +136,8 @@ class Trainer:
         if plan.action is BatchAction.REANNOUNCE:
             await announce(self.bus, committed)
             return await delivery.ack()
+        if plan.action is BatchAction.WAIT:
+            return await delivery.nak(WAIT_S)
         if event.group >= 0:
             return await self._add_group(delivery, event, snapshot)
         await self._train_and_commit(delivery, event, snapshot)
@@ -180,9 +191,15 @@ class Trainer:
             await self.release(job, "nak")
             pending = self.pending[job] = PendingBatch(version, uuid.uuid4().hex, time.time())
         batch = event.batch if event.batch is not None else BATCH.decode(self.store.fetch(event.batch_ref))
+        if problem := staleness_problem(version, batch.policy_version, snapshot.record.spec.grpo.max_staleness):
+            await self.release(job, "term")
+            await self._fail(job, version, problem)
+            return await delivery.term()
         try:
-            await asyncio.to_thread(self._add, snapshot.committed, batch, snapshot.record.spec,
-                                    action is GroupAction.START_OVER)
+            async with span(self.bus, SERVICE, "accumulate", job, version, group=event.group,
+                            samples=len(batch.samples), attempt=pending.attempt):
+                await asyncio.to_thread(self._add, snapshot.committed, batch, snapshot.record.spec,
+                                        action is GroupAction.START_OVER)
         except NonFiniteUpdate as exc:
             await self.release(job, "term")
             self.policy.evict(job)
@@ -212,13 +229,14 @@ class Trainer:
             if begin:
                 self.policy.begin_batch(committed.job)
                 self.policy.pinned.add(committed.job)  # its gradients must not be evicted half-way
-            self.policy.add_groups(committed.job, batch.samples, spec.grpo)
+            self.policy.add_groups(committed.job, batch.samples, spec.grpo, batch.policy_version)
 
     async def _step_and_commit(self, pending: PendingBatch, event: TrajectoryReady, snapshot: JobSnapshot) -> None:
         """The step of a whole pipelined batch, then the commit protocol as for a whole batch."""
         job, committed, spec = event.job, snapshot.committed, snapshot.record.spec
         deliveries = list(pending.held.values())
         sampled = next((v for v in sorted(pending.sampled_versions) if v != pending.version), pending.version)
+        stepped = time.time()
         try:
             adapter_version, result = await asyncio.to_thread(self._step, job, spec)
         except NonFiniteUpdate as exc:
@@ -234,11 +252,15 @@ class Trainer:
                     await delivery.nak(0.5)
             raise
         result.metrics.update(pending.metrics)
-        await record_span(self.bus, SERVICE, "train", job, pending.version, pending.began, time.time(),
-                          batch_id=event.batch_id, attempt=pending.attempt, batch_version=event.version,
+        result.metrics["staleness"] = float(pending.version - sampled)  # 0 but at grpo.max_staleness >= 1
+        # the span of the step itself; each group's work before it is an "accumulate" span
+        await record_span(self.bus, SERVICE, "train", job, pending.version, stepped, time.time(),
+                          first_group_at=pending.began, batch_id=event.batch_id, attempt=pending.attempt,
+                          batch_version=event.version,
                           sampled_version=sampled, committed_version=committed.version,
                           threads=torch.get_num_threads(), adapter_version=adapter_version,
-                          groups=len(deliveries), pipeline="groups", **result.metrics)
+                          groups=len(deliveries), pipeline="groups", max_staleness=spec.grpo.max_staleness,
+                          **result.metrics)
         log.info("trained", job=job, version=pending.version, batch_id=event.batch_id, groups=len(deliveries),
                  reward=round(result.metrics.get("reward/mean", float("nan")), 4),
                  loss=round(result.metrics["loss"], 4))
@@ -258,6 +280,9 @@ class Trainer:
         record, committed = snapshot.record, snapshot.committed
         batch = event.batch if event.batch is not None else BATCH.decode(self.store.fetch(event.batch_ref))
         spec = record.spec
+        if problem := staleness_problem(version, batch.policy_version, spec.grpo.max_staleness):
+            await self._fail(job, version, problem)
+            return await delivery.term()
         # this attempt's own name: a crash before the commit trains the batch again, and a broker
         # restart can deliver it again under the same delivery count
         attempt = uuid.uuid4().hex
@@ -265,6 +290,7 @@ class Trainer:
         # the batch as rollout wrote it, the adapter in memory), not from the plan's check
         async with span(self.bus, SERVICE, "train", job, version, batch_id=event.batch_id, attempt=attempt,
                         batch_version=event.version, sampled_version=batch.policy_version,
+                        max_staleness=spec.grpo.max_staleness,
                         committed_version=committed.version, threads=torch.get_num_threads()) as attrs:
             async with delivery.keep_alive():
                 try:
@@ -329,6 +355,8 @@ class Trainer:
             trained_from = self.policy.hot_version(committed.job)
             result = self.policy.train_step(committed.job, batch, spec.grpo)
         result.metrics.update(batch.metrics)  # rollout's figures (tool calls, turns) ride with the version
+        if batch.policy_version >= 0:  # how far behind the trained version its sampler was
+            result.metrics["staleness"] = float(committed.version - batch.policy_version)
         return trained_from, result
 
     def _drop_finished(self) -> None:

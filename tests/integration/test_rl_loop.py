@@ -337,14 +337,37 @@ def test_group_pipelining_trains_while_later_groups_generate_and_makes_the_same_
     assert all(t.attrs["pipeline"] == "groups" and t.attrs["groups"] == 4 for t in trained.values())
     assert all("pipeline" not in t.attrs for t in phase(whole.id, "train").values())
     # the trainer took the first groups while the last ones were still being generated
-    assert any(trained[v].start < generated[v].end for v in trained), {
-        v: (trained[v].start, generated[v].end) for v in trained}
+    added = [s for s in spans if s.job == groups.id and s.phase == "accumulate"]
+    assert sorted({s.attrs["group"] for s in added if s.version == 0}) == [0, 1, 2, 3]
+    first_added = {v: min(s.start for s in added if s.version == v) for v in trained}
+    assert any(first_added[v] < generated[v].end for v in trained), (first_added, generated)
+    assert all(trained[v].start >= max(s.end for s in added if s.version == v) for v in trained)
     assert groups.rewards[0] == whole.rewards[0]
     first, first_whole = trained[0].attrs, phase(whole.id, "train")[0].attrs
     assert first["tokens"] == first_whole["tokens"]
     assert first["loss"] == pytest.approx(first_whole["loss"], rel=1e-4, abs=1e-6)
     assert first["grad_norm"] == pytest.approx(first_whole["grad_norm"], rel=1e-3)
     assert audit_training([s for s in spans if s.job in (groups.id, whole.id)]) == []
+
+
+def test_a_job_at_max_staleness_1_samples_ahead_and_trains_each_version_once(stack):
+    """grpo.max_staleness = 1: rollout samples step s + 1 with version s while the trainer trains
+    step s; every batch is within its bound, trained with the decoupled objective when stale, and
+    each version is committed once; the audit holds (it checks the bound on every batch)."""
+    view = wait_all(stack, [{"name": "stale1", "task": "reverse", "steps": 6, "seed": 22,
+                             "grpo": {"max_staleness": 1, "prompts_per_step": 4, "group_size": 4}}])[0]
+    assert view.state == "completed" and view.version == 6, view
+    assert run(committed_versions(stack.nats_url))[view.id] == list(range(7))
+    spans = [s for s in run(all_spans(stack.nats_url)) if s.job == view.id]
+    trained = {s.version: s.attrs for s in spans if s.phase == "train"}
+    assert sorted(trained) == list(range(6))
+    staleness = {v: v - a["sampled_version"] for v, a in trained.items()}
+    assert set(staleness.values()) <= {0, 1} and staleness[0] == 0
+    assert 1 in staleness.values(), staleness  # sampled ahead at least once (each step races its trainer)
+    assert all(a["staleness"] == staleness[v] and a["max_staleness"] == 1 for v, a in trained.items())
+    generated = {s.version: s.attrs["sampled_version"] for s in spans if s.phase == "generate"}
+    assert generated == {v: a["sampled_version"] for v, a in trained.items()}
+    assert audit_training(spans) == []
 
 
 def test_the_same_spec_twice_trains_on_the_same_problems(stack):

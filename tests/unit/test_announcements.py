@@ -4,7 +4,7 @@ import msgspec
 import pytest
 
 from marlaas.platform.events import JobRecord, JobSpec, JobState
-from services.rollout.announcements import Plan, Reaction, plan_announcement
+from services.rollout.announcements import Plan, Reaction, next_step, plan_announcement
 
 SPEC = JobSpec(id="acme.j", tenant="acme", name="j", task="addition", steps=5)
 
@@ -37,3 +37,33 @@ def test_the_last_version_is_evaluated_once_committed_unless_the_job_failed_or_w
     assert not plan_announcement(5, record(JobState.CANCELLED, eval_every=2), 5, 4, False).evaluate_final
     assert not plan_announcement(4, evaluated, 5, 4, False).evaluate_final  # not the last version
     assert not plan_announcement(5, record(), 5, 4, False).evaluate_final  # no evaluations asked for
+
+
+def stale_record(max_staleness: int) -> JobRecord:
+    spec = msgspec.structs.replace(SPEC, grpo=msgspec.structs.replace(SPEC.grpo, max_staleness=max_staleness))
+    return JobRecord(spec=spec, state=JobState.RUNNING)
+
+
+@pytest.mark.parametrize("committed,sampled,k,expected", [
+    (2, 1, 0, 2),  # strictly on-policy: the committed version's own step
+    (2, 2, 0, None),  # ... sampled already
+    (2, 2, 1, 3),  # one step ahead, sampled by version 2 while the trainer trains step 2
+    (2, 3, 1, None),  # two ahead: beyond the bound
+    (2, 3, 2, 4),
+    (3, 4, 4, None),  # the job has 5 steps (0..4): none left to sample
+])
+def test_the_next_step_to_sample_stays_within_the_bound(committed, sampled, k, expected):
+    assert next_step(sampled, committed, SPEC.steps, k) == expected
+
+
+def test_an_announcement_samples_ahead_only_within_the_jobs_bound():
+    assert plan_announcement(2, stale_record(1), 2, 2, False) == Plan(Reaction.SAMPLE)  # step 3 by v2
+    assert plan_announcement(2, stale_record(1), 2, 3, False) == Plan(Reaction.REPEAT)
+    assert plan_announcement(2, stale_record(1), 2, 2, True) == Plan(Reaction.REPEAT)  # step 3 underway
+
+
+def test_an_older_announcement_samples_what_is_due_at_bounded_staleness():
+    """A handler sampling ahead with version 2 died; version 3's announcement was acked meanwhile
+    (step 4 was underway): the redelivered older one must sample step 4, or the job stalls."""
+    assert plan_announcement(2, stale_record(1), 3, 3, False) == Plan(Reaction.SAMPLE)
+    assert plan_announcement(2, stale_record(1), 3, 4, False) == Plan(Reaction.OLD)

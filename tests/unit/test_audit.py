@@ -34,3 +34,26 @@ def test_an_uncommitted_attempt_is_still_checked_for_on_policy_training():
     stale.attrs["adapter_version"] = 2
     spans = [stale, train(3, attempt="a2"), commit(3, attempt="a2")]
     assert audit_training(spans) == ["j v3: trained from other versions {'adapter_version': 2}"]
+
+
+def test_a_batch_within_its_staleness_bound_passes_and_its_behaviour_gap_is_not_checked():
+    stale = train(5, attempt="a1")
+    stale.attrs.update(sampled_version=4, max_staleness=1, staleness=1.0, logprob_gap=0.3)
+    assert audit_training([stale, commit(5, attempt="a1")]) == []
+
+
+def test_a_batch_older_than_its_bound_fails_the_audit():
+    stale = train(5, attempt="a1")
+    stale.attrs.update(sampled_version=3, max_staleness=1, staleness=2.0)
+    assert audit_training([stale, commit(5, attempt="a1")]) == [
+        "j v5: trained from other versions {'sampled_version': 3} (max_staleness 1)"]
+
+
+def test_a_strict_batch_sampled_by_another_version_fails_and_a_stale_gap_counts_at_staleness_0():
+    early = train(5, attempt="a1")
+    early.attrs.update(sampled_version=4)  # max_staleness 0 (absent): strictly on-policy
+    off = train(6, attempt="a2")
+    off.attrs.update(max_staleness=2, logprob_gap=0.3)  # sampled by the trained version: checked
+    assert audit_training([early, commit(5, "a1"), off, commit(6, "a2")]) == [
+        "j v5: trained from other versions {'sampled_version': 4}",
+        "j v6: engine-vs-trainer logprob gap 0.3 > 0.0002"]

@@ -11,6 +11,7 @@ from services.trainer.batch_plan import (
     may_commit,
     plan_batch,
     plan_group,
+    staleness_problem,
 )
 
 JOB = "acme.j"
@@ -123,3 +124,22 @@ def test_a_batch_is_whole_with_every_group_numbered_once():
     assert batch_whole({0: 1, 1: 2, 2: 3}, 3)
     assert not batch_whole({0: 1, 2: 3}, 3)
     assert not batch_whole({0: 1, 1: 2, 5: 3}, 3)
+
+
+# --- bounded staleness (grpo.max_staleness) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("ahead,max_staleness,action", [
+    (1, 1, BatchAction.WAIT), (2, 2, BatchAction.WAIT),
+    (2, 1, BatchAction.DROP_OFF_POLICY), (1, 0, BatchAction.DROP_OFF_POLICY),
+])
+def test_a_batch_of_a_later_step_waits_only_within_the_bound(ahead, max_staleness, action):
+    plan = plan_batch(batch(3 + ahead), JobState.RUNNING, committed(3), max_staleness)
+    assert plan.action is action
+
+
+def test_a_batch_sampled_too_far_behind_is_refused_with_the_bound_named():
+    assert staleness_problem(5, 5, 0) == staleness_problem(5, 4, 1) == staleness_problem(5, 3, 2) == ""
+    assert "2 behind: more than grpo.max_staleness = 1" in staleness_problem(5, 3, 1)
+    assert "not committed yet" in staleness_problem(5, 6, 2)
+    assert staleness_problem(5, -1, 0) == ""  # no sampler recorded: the audit decides

@@ -177,3 +177,38 @@ def test_a_group_with_dropped_members_is_normalized_over_those_left():
     assert torch.allclose(adv[:2], torch.tensor([1.0, -1.0]), atol=1e-3)
     assert adv[2] == 0 and adv[3] == 0  # a group of one has no baseline to beat: no signal
     assert group_advantages(torch.tensor([]), torch.tensor([], dtype=torch.long)).numel() == 0  # all dropped
+
+
+def test_a_stale_batch_gets_the_importance_weighted_gradient_truncated_at_the_cap():
+    """Decoupled objective: d loss / d logp = -min(pi_prox / mu, W) * A / N per token (the ratio
+    to the proximal policy is 1 at the one step), whatever the behaviour gap; unweighted, the
+    same tokens would be clipped away once pi / mu leaves the trust region."""
+    from services.trainer.grpo import BEHAVIOUR_WEIGHT_CAP
+
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5, -1.5]], requires_grad=True)
+    behaviour = torch.tensor([[-1.0, -2.5, -2.0, -1.3]])  # mu: an older version's logprobs
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    advantages = torch.tensor([0.7])
+    out = grpo_loss(logprobs, behaviour, mask, advantages, clip_eps=0.2, decoupled=True)
+    out.loss.backward()
+    weights = torch.exp(logprobs.detach() - behaviour).clamp(max=BEHAVIOUR_WEIGHT_CAP)
+    expected = -weights * 0.7 * mask / 3
+    assert torch.allclose(logprobs.grad, expected, atol=1e-6)
+    assert weights[0, 2] == BEHAVIOUR_WEIGHT_CAP  # exp(1.5) = 4.5, truncated
+    assert out.clip_fraction == 0.0  # the trust region is around the proximal policy
+    assert abs(out.logprob_gap - (0.0 + 0.5 + 1.5) / 3) < 1e-6  # the behaviour gap, reported
+
+    logprobs.grad = None
+    plain = grpo_loss(logprobs, behaviour, mask, advantages, clip_eps=0.2)
+    plain.loss.backward()
+    assert logprobs.grad[0, 1] == 0 and logprobs.grad[0, 2] == 0  # ratio 1.65 and 4.5: clipped
+
+
+def test_a_batch_of_the_trained_version_has_the_same_loss_decoupled_or_not():
+    torch.manual_seed(0)
+    logprobs = torch.randn(2, 5)
+    mask = torch.ones(2, 5)
+    advantages = torch.tensor([0.5, -0.5])
+    a = grpo_loss(logprobs, logprobs.clone(), mask, advantages, clip_eps=0.2)
+    b = grpo_loss(logprobs, logprobs.clone(), mask, advantages, clip_eps=0.2, decoupled=True)
+    assert torch.allclose(a.loss, b.loss)

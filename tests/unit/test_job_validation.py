@@ -55,6 +55,8 @@ def test_a_submission_within_bounds_has_no_problems():
     ({"grpo": {"kl_coef": -0.1}}, "grpo.kl_coef must be >= 0"),
     ({"grpo": {"truncated": "dorp"}}, "grpo.truncated must be one of"),
     ({"grpo": {"pipeline": "streams"}}, "grpo.pipeline must be one of groups, batch"),
+    ({"grpo": {"max_staleness": 5}}, "grpo.max_staleness must be between 0 and 4"),
+    ({"grpo": {"max_staleness": -1}}, "grpo.max_staleness must be between 0 and 4"),
     ({"grpo": {"ignore_eos": True, "truncated": "drop"}}, "with it, grpo.truncated must be 'train'"),
     ({"grpo": {"max_new_tokens": -1}}, "grpo.max_new_tokens must be >= 0"),
     ({"lora": {"rank": 65}}, "lora.rank must be between 1 and 64 (rollout.max_lora_rank)"),

@@ -6,7 +6,8 @@ intervals and ``utilization`` totals (tool waits), and the jobs' records (TTFS, 
 
 - ``engine_busy``: share of the run's wall time with at least one request in the engine;
 - ``engine_requests``: the mean number of requests in the engine while it is busy (its batch);
-- ``trainer_busy``: share with a GRPO step or a commit running; ``idle``: neither;
+- ``trainer_busy``: share with a GRPO step, a pipelined group's gradients (``accumulate``) or a
+  commit running; ``idle``: neither;
 - ``train_threads``: the torch thread counts the trainer's steps ran with;
 - ``handoff_ms``: policy-committed -> the first generation with that version (announcement,
   adapter download and load), per version;
@@ -65,7 +66,8 @@ def handoffs_ms(spans: Sequence[Span]) -> list[float]:
 
 
 def ready_to_train_ms(spans: Sequence[Span]) -> list[float]:
-    """Per version: the batch's rewards done (then published) -> its train step starting."""
+    """Per version: the batch's rewards done (then published) -> its train step starting (a
+    pipelined batch: its last group's rewards -> the step, its groups' gradients already added)."""
     rewards = _by_key(spans, "reward")
     return [(s.start - rewards[(s.job, s.version)].end) * 1000 for s in spans
             if s.phase == "train" and (s.job, s.version) in rewards]
@@ -104,7 +106,7 @@ def run_metrics(spans: Sequence[Span], jobs: Sequence[dict], start: float, end: 
     mine = [s for s in spans if s.job in ids]
     util = [s for s in spans if s.job == UTILIZATION_JOB and s.end > start and s.start < end]
     engine = [(s.start, s.end) for s in util if s.phase == "engine"]
-    trainer = [(s.start, s.end) for s in mine if s.phase in ("train", "commit")]
+    trainer = [(s.start, s.end) for s in mine if s.phase in ("train", "commit", "accumulate")]
     wall = end - start
     steps = sum(j["steps"] for j in jobs)
     tokens = sum(float(s.attrs.get("tokens", 0)) for s in mine if s.phase == "generate")

@@ -9,6 +9,12 @@ stepped (``adapter_version``), and the engine-vs-trainer ``logprob_gap`` (mean
 signal that sees weights rather than labels: an engine serving stale or another job's
 weights under the right name (vllm#47724, #42125) shows up there and nowhere else.
 
+Bounded staleness (``grpo.max_staleness`` = k, recorded on each train span as ``max_staleness``):
+a batch trains step s but may be sampled by a version b with s - k <= b <= s; the span records
+its ``staleness`` s - b. The adapter it was trained from must still be s. The logprob gap is a
+check of weights only where the sampler is the trained version (staleness 0): a stale batch's gap
+is the behaviour gap, large by design, and is not checked.
+
 A batch is trained again when the trainer died (or failed) after the step and before its
 commit: that attempt's update was never committed, so it is not a second training. Each
 ``train`` span carries the name of its ``attempt`` (unique, drawn at random: a delivery count
@@ -39,9 +45,16 @@ def audit_training(spans: list[Span], max_logprob_gap: float = MAX_LOGPROB_GAP) 
             problems.append(f"{job} v{version}: trained {count} times")
     for s in train:
         recorded = {name: s.attrs.get(name) for name in ("batch_version", "sampled_version", "adapter_version")}
+        bound = s.attrs.get("max_staleness", 0)
+        sampled = recorded.pop("sampled_version")
         wrong = {name: value for name, value in recorded.items() if value != s.version}
+        if not isinstance(sampled, (int, float)) or not s.version - bound <= sampled <= s.version:
+            wrong["sampled_version"] = sampled
         if wrong:
-            problems.append(f"{s.job} v{s.version}: trained from other versions {wrong}")
+            problems.append(f"{s.job} v{s.version}: trained from other versions {wrong}"
+                            + (f" (max_staleness {bound})" if bound else ""))
+        if sampled != s.version:
+            continue  # a stale batch: its gap is the behaviour gap (see above)
         gap = s.attrs.get("logprob_gap")
         if not isinstance(gap, float) or not gap <= max_logprob_gap:
             problems.append(f"{s.job} v{s.version}: engine-vs-trainer logprob gap {gap} > {max_logprob_gap}")

@@ -26,11 +26,15 @@ async def announce(bus: Bus, committed: CommittedVersion) -> bool:
     Safe to repeat: the POLICY stream drops a repeat inside its duplicate window,
     and consumers ignore announcements older than the job's committed version.
     """
-    event = PolicyCommitted(job=committed.job, version=committed.version, adapter=committed.adapter,
-                            batch_id=committed.batch_id, metrics=committed.metrics,
-                            committed_at=committed.committed_at)
-    return await bus.publish(subjects.policy_committed(committed.job), encode(event),
+    return await bus.publish(subjects.policy_committed(committed.job), encode(to_announcement(committed)),
                              msg_id=f"{committed.job}:{committed.version}")
+
+
+def to_announcement(committed: CommittedVersion) -> PolicyCommitted:
+    """The policy-committed announcement of ``committed``."""
+    return PolicyCommitted(job=committed.job, version=committed.version, adapter=committed.adapter,
+                           batch_id=committed.batch_id, metrics=committed.metrics,
+                           committed_at=committed.committed_at)
 
 
 @dataclass(frozen=True)

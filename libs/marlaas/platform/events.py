@@ -63,6 +63,10 @@ class GrpoSettings(Wire):
     # gradients while later groups are still generated, stepping once the batch is whole (the same
     # update, strictly on-policy); "batch": the whole batch is published, then trained
     pipeline: str = "groups"
+    # bounded staleness: rollout samples batch s with the newest committed version b while the trainer
+    # trains, as long as s - b <= max_staleness; 0 = strictly on-policy (every batch sampled by the
+    # version it trains). A stale batch is trained with the decoupled objective (see grpo.py)
+    max_staleness: int = 0
 
 
 class LoraSettings(Wire):

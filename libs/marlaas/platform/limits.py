@@ -24,6 +24,7 @@ MAX_PROMPTS_PER_STEP, MAX_GROUP_SIZE = 4096, 1024
 # grpo.pipeline = "groups": a batch of more groups than this travels whole (the trainer holds each
 # group of a batch in progress unacked; see services/trainer/service.py)
 MAX_PIPELINED_GROUPS = 256
+MAX_STALENESS = 4  # grpo.max_staleness: how far behind the trained version a batch's sampler may be
 MAX_LORA_ALPHA = 4096
 MAX_NAME_CHARS = 64
 MAX_EVAL_PROBLEMS = 1000
