@@ -18,10 +18,12 @@ class ReplayedTurns:
         self.tokenizer = tokenizer
         self.turns = [*turns, "done"]
         self.requests: list[list[int]] = []
+        self.loras: list[object] = []  # the adapter each turn was asked with
 
     async def generate(self, prompt_ids, *, max_tokens, temperature, lora, seed, stop=None,
                        ignore_eos=False) -> Completion:
         self.requests.append(list(prompt_ids))
+        self.loras.append(lora)
         text = self.turns.pop(0) if self.turns else "done"
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         called = bool(stop) and text.endswith(CALL_CLOSE)

@@ -182,15 +182,16 @@ def moved(record: JobRecord, state: JobState, reason: str, fields: dict, now: fl
 
 def progressed(record: JobRecord, event: PolicyCommitted) -> JobRecord | None:
     """``record`` at the committed version ``event`` announces: its version, reward and agent
-    metrics, and commit times; None for a repeat announcement (a version not above the record's)."""
+    metrics (and the staleness of each trained batch, at ``grpo.max_staleness`` >= 1), and commit times; None for a repeat announcement (a version not above the record's)."""
     if event.version <= record.version:
         return None
     rewards = list(record.rewards)
     metrics = {key: list(values) for key, values in record.metrics.items()}
     if event.version >= 1 and "reward/mean" in event.metrics:
         rewards.append(event.metrics["reward/mean"])
+        stale = record.spec.grpo.max_staleness > 0  # then each trained batch's staleness is shown too
         for key, value in event.metrics.items():
-            if key.startswith(AGENT_METRICS):
+            if key.startswith(AGENT_METRICS) or (stale and key == "staleness"):
                 metrics.setdefault(key, []).append(value)
     first = record.first_commit_at or (event.committed_at if event.version == 1 else 0.0)
     return msgspec.structs.replace(record, version=event.version, rewards=rewards, metrics=metrics,

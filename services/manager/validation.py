@@ -144,8 +144,10 @@ def generation_problem(max_new_tokens: int, max_model_len: int) -> str:
 
 
 def kv_footprint(grpo: GrpoSettings, prompt_tokens: int, episode_tokens: int, kv_bytes_per_token: int) -> int:
-    """The KV cache the job's rollout batch can hold at once (``admission.job_footprint``)."""
-    return job_footprint(grpo.prompts_per_step, grpo.group_size, prompt_tokens, episode_tokens, kv_bytes_per_token)
+    """The KV cache the job's rollout batches can hold at once (``admission.job_footprint``): one
+    batch, or up to 1 + max_staleness batches (each of another version) at bounded staleness."""
+    batch = job_footprint(grpo.prompts_per_step, grpo.group_size, prompt_tokens, episode_tokens, kv_bytes_per_token)
+    return batch * (1 + max(grpo.max_staleness, 0))
 
 
 def footprint_problem(footprint: int, budget_bytes: int) -> str:
@@ -154,7 +156,7 @@ def footprint_problem(footprint: int, budget_bytes: int) -> str:
         return ""
     return (f"the job's rollout needs ~{footprint / 2**20:.1f} MiB of KV cache, more than the "
             f"whole budget ({budget_bytes / 2**20:.1f} MiB, manager.kv_budget_gib): lower "
-            "grpo.prompts_per_step, grpo.group_size or grpo.max_new_tokens")
+            "grpo.prompts_per_step, grpo.group_size, grpo.max_new_tokens or grpo.max_staleness")
 
 
 def job_name(request: api.SubmitRequest) -> tuple[str, str]:

@@ -110,25 +110,26 @@ class PolicyEngine:
             self.engine = AsyncLLM.from_engine_args(args)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self._ids = itertools.count(1)
-        self._loaded: dict[str, tuple[int, object]] = {}  # job -> (version, LoRARequest)
+        self._loaded: dict[str, dict[int, object]] = {}  # job -> version -> LoRARequest
         self.eos_token_id = self.tokenizer.eos_token_id
         self.utilization = Utilization()
 
-    async def use_adapter(self, job: str, version: int, adapter_dir: Path):
-        """The LoRARequest for (job, version): a fresh name and int id; the old version is dropped.
+    async def use_adapter(self, job: str, version: int, adapter_dir: Path, keep: set[int] | frozenset = frozenset()):
+        """The LoRARequest for (job, version): a fresh name and int id. The job's other versions
+        are dropped, but those in ``keep`` (bounded staleness: versions still generating).
 
         The caller serializes calls per job (and keeps ``adapter_dir`` in place while vLLM loads it).
         """
         from vllm.lora.request import LoRARequest
 
-        current = self._loaded.get(job)
-        if current is not None and current[0] == version:
-            return current[1]
-        request = LoRARequest(f"{job}@v{version}", next(self._ids), str(adapter_dir))
-        await self.engine.add_lora(request)
-        self._loaded[job] = (version, request)
-        if current is not None:
-            await self.engine.remove_lora(current[1].lora_int_id)
+        versions = self._loaded.setdefault(job, {})
+        request = versions.get(version)
+        if request is None:
+            request = LoRARequest(f"{job}@v{version}", next(self._ids), str(adapter_dir))
+            await self.engine.add_lora(request)
+            versions[version] = request
+        for old in [v for v in versions if v != version and v not in keep]:
+            await self.engine.remove_lora(versions.pop(old).lora_int_id)
         return request
 
     async def lora_kernels(self) -> str | None:
@@ -153,15 +154,19 @@ class PolicyEngine:
         raise RuntimeError(f"rollout.cpu_lora_kernels = {wanted!r} but the vLLM engine core runs {running!r}: {why}")
 
     def loaded_version(self, job: str) -> int:
-        """The version of the adapter this engine serves for ``job`` (-1: none loaded)."""
-        current = self._loaded.get(job)
-        return current[0] if current else -1
+        """The newest version of ``job``'s adapter this engine serves (-1: none loaded)."""
+        return max(self._loaded.get(job) or [-1])
+
+    def served_version(self, job: str, lora) -> int:
+        """The version ``lora`` (a request of :meth:`use_adapter`) serves for ``job`` (-1: unknown)."""
+        return next((v for v, r in (self._loaded.get(job) or {}).items() if r is lora), -1)
 
     async def drop_job(self, job: str) -> None:
-        """Unload a finished job's adapter."""
-        current = self._loaded.pop(job, None)
-        if current is not None and not self.dead:
-            await self.engine.remove_lora(current[1].lora_int_id)
+        """Unload a finished job's adapters."""
+        versions = self._loaded.pop(job, None) or {}
+        if not self.dead:
+            for request in versions.values():
+                await self.engine.remove_lora(request.lora_int_id)
 
     @property
     def dead(self) -> bool:

@@ -16,6 +16,7 @@ import math
 import os
 import shutil
 import time
+from collections import Counter
 
 import msgspec
 import structlog
@@ -49,7 +50,7 @@ from marlaas.platform.telemetry import UTILIZATION_JOB, record_span, span
 from marlaas.tasks import Task, TaskError, get_task
 from marlaas.tools.registry import reward_subject
 from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
-from services.rollout.announcements import Reaction, next_step, plan_announcement
+from services.rollout.announcements import Reaction, plan_announcement
 from services.rollout.engine import PolicyEngine
 from services.rollout.episode import Episode, episode_metrics, settle_truncated, to_score
 from services.rollout.liveness import Liveness
@@ -128,6 +129,8 @@ class Rollout:
         self.adapter_locks: dict[str, asyncio.Lock] = {}
         self.finished: set[str] = set()  # jobs forgotten: never load an adapter for them again
         self.sampling: set[tuple[str, int]] = set()  # (job, step) being sampled by this process
+        self.in_use: Counter[tuple[str, int]] = Counter()  # (job, version): batches generating with it
+        self.released = asyncio.Condition()  # notified when a version is in use no more
         self.eval_tasks: dict[str, Task] = {}  # each job's held-out task (its eval_dataset, if any)
         self.pinned: dict[str, object] = {}  # STALE_ADAPTER_FAULT only: each job's first adapter dir
         # the paper's ablations: sync rounds with a global barrier, and no multi-LoRA batching
@@ -184,27 +187,93 @@ class Rollout:
             return await self.forget(job)
         if plan.reaction is not Reaction.SAMPLE:
             return  # an old announcement, or a repeat of the current one: never sampled twice
+        if spec.grpo.max_staleness:
+            return await self.sample_ahead(delivery, spec)
         step = sampled + 1
-        if state.committed.version != version:  # an older announcement, at bounded staleness
-            event = to_announcement(state.committed)
-        while True:
-            self.sampling.add((job, step))  # no await since the plan: no other task slips in between
-            try:
-                await self.sample_and_publish(delivery, spec, event, step)
-            finally:
-                self.sampling.discard((job, step))
-            if not spec.grpo.max_staleness:
-                return
-            # bounded staleness: sample the next step ahead with the newest committed version, while
-            # the trainer trains, as long as it is within the job's bound
-            state = await read_job(self.bus, job)
-            if state is None or state.record.state.finished or self.engine.dead:
-                return
-            sampled = await sampled_version(self.bus, job)
-            step = next_step(sampled, state.committed.version, spec.steps, spec.grpo.max_staleness)
-            if step is None or (job, step) in self.sampling:
-                return
-            event = to_announcement(state.committed)
+        self.sampling.add((job, step))  # no await since the plan: no other task slips in between
+        try:
+            await self.sample_and_publish(delivery, spec, event, step)
+        finally:
+            self.sampling.discard((job, step))
+
+    async def sample_ahead(self, delivery: Delivery, spec: JobSpec) -> None:
+        """Bounded staleness (``grpo.max_staleness`` = k >= 1): sample every due step at once, each
+        with the version committed when it starts, and keep starting the steps that fall due as the
+        trainer commits (step s is due once s <= committed + k), until none is running or due.
+        Several versions of the job are then in the engine together, each batch (and each
+        episode) with one; the batches are published in step order (:meth:`wait_turn`). The
+        announcement is acked when this returns; a replica that dies first has it delivered again,
+        and an older announcement samples what is due (``plan_announcement``)."""
+        job, k = spec.id, spec.grpo.max_staleness
+        running: set[asyncio.Task] = set()
+        try:
+            async with delivery.keep_alive():
+                while True:
+                    state = await read_job(self.bus, job)
+                    if state is None or state.record.state.finished or self.engine.dead:
+                        break
+                    sampled = await sampled_version(self.bus, job)
+                    last = min(state.committed.version + k, spec.steps - 1)
+                    for step in range(sampled + 1, last + 1):
+                        if (job, step) not in self.sampling:  # no await between the check and the add
+                            self.sampling.add((job, step))
+                            event = to_announcement(state.committed)
+                            running.add(asyncio.create_task(self.sample_step(delivery, spec, event, step)))
+                    if not running:
+                        break
+                    done, running = await asyncio.wait(running, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        task.result()  # a failed step fails the announcement (retried, or the job failed)
+        finally:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+
+    async def sample_step(self, delivery: Delivery, spec: JobSpec, event: PolicyCommitted, step: int) -> None:
+        try:
+            await self.sample_and_publish(delivery, spec, event, step)
+        finally:
+            self.sampling.discard((spec.id, step))
+
+    async def wait_turn(self, spec: JobSpec, step: int) -> bool:
+        """Bounded staleness: wait until the batch of ``step - 1`` is published (by this replica or
+        another), so the trainer gets the job's batches in step order (no wait at k = 0). False:
+        the job finished meanwhile, publish nothing."""
+        if not spec.grpo.max_staleness:
+            return True
+        while await sampled_version(self.bus, spec.id) < step - 1:
+            state = await read_job(self.bus, spec.id)
+            if state is None or state.record.state.finished:
+                return False
+            await asyncio.sleep(0.2)
+        return True
+
+    @contextlib.asynccontextmanager
+    async def adapter(self, spec: JobSpec, event: PolicyCommitted):
+        """The LoRARequest of ``event``'s version for the body's generation (None once the job is
+        finished). At max_staleness 0 the job's lock is held throughout (its one version, never
+        cleaned up under a request); at k >= 1 the lock is held only to load, and the version is
+        counted in use, so several versions serve at once and none is unloaded or deleted while
+        a batch of it generates (``forget`` waits for them)."""
+        job, version = spec.id, event.version
+        if not spec.grpo.max_staleness:
+            async with self._lock(job), self.engine_turn():
+                yield await self.load_adapter(job, version, event)
+            return
+        async with self._lock(job):
+            lora = await self.load_adapter(job, version, event)
+            if lora is not None:
+                self.in_use[(job, version)] += 1
+        try:
+            async with self.engine_turn():
+                yield lora
+        finally:
+            if lora is not None:
+                self.in_use[(job, version)] -= 1
+                if not self.in_use[(job, version)]:
+                    del self.in_use[(job, version)]
+                    async with self.released:
+                        self.released.notify_all()
 
     async def sample_and_publish(self, delivery: Delivery, spec: JobSpec, event: PolicyCommitted,
                                  step: int) -> None:
@@ -223,6 +292,8 @@ class Rollout:
                     await round_.sampled(job)  # the barrier: no round member trains before all sampled
             if batch is not None:
                 if batch is not PUBLISHED:
+                    if not await self.wait_turn(spec, step):
+                        return
                     await publish_batch(self.bus, self.store, job, step, batch)
                 await record_sampled(self.bus, job, step)
                 if spec.eval_every and version % spec.eval_every == 0 and step == version:  # after the
@@ -237,8 +308,7 @@ class Rollout:
             self.eval_tasks[spec.id] = task
             problems = task.problems(spec.eval_problems, EVAL_SEED)
             prompt_ids = [self.prompt_ids(spec, p) for p in problems]
-            async with self._lock(spec.id), self.engine_turn():
-                lora = await self.load_adapter(spec.id, version, event)
+            async with self.adapter(spec, event) as lora:
                 if lora is None:
                     return
                 async with span(self.bus, SERVICE, "eval", spec.id, version, problems=len(problems)):
@@ -261,6 +331,8 @@ class Rollout:
         async with self._lock(job):
             if final:
                 self.finished.add(job)
+            async with self.released:  # bounded staleness: its batches still generating finish first
+                await self.released.wait_for(lambda: not any(j == job for j, _ in self.in_use))
             self.tasks.pop(job, None)
             self.eval_tasks.pop(job, None)
             self.liveness.forget(job)
@@ -281,9 +353,11 @@ class Rollout:
         await asyncio.to_thread(materialize, self.store, event.adapter, adapter_dir)
         if STALE_ADAPTER_FAULT:
             adapter_dir = self.pinned.setdefault(job, adapter_dir)
-        lora = await self.engine.use_adapter(job, version, adapter_dir)
+        keep = {v for j, v in self.in_use if j == job}  # bounded staleness: versions still generating
+        lora = await self.engine.use_adapter(job, version, adapter_dir, keep)
+        kept = {job_dir / f"v{v:06d}" for v in keep}
         for old in job_dir.iterdir():  # the engine holds older versions no more
-            if old != adapter_dir:
+            if old != adapter_dir and old not in kept:
                 await asyncio.to_thread(shutil.rmtree, old, True)
         return lora
 
@@ -317,8 +391,7 @@ class Rollout:
         prompt_ids = [self.prompt_ids(spec, p) for p in problems]
         # vLLM may (re)load an adapter from its directory whenever a request uses it, so the
         # job's cleanup (forget) waits until its generation is done
-        async with self._lock(spec.id), self.engine_turn():
-            lora = await self.load_adapter(spec.id, version, event)
+        async with self.adapter(spec, event) as lora:
             if lora is None:
                 return None
             async with span(self.bus, SERVICE, "generate", spec.id, step, sampled_version=version,
@@ -347,7 +420,7 @@ class Rollout:
         if not all(math.isfinite(lp) for s in samples for lp in s.logprobs):  # JSON would carry null:
             raise PoisonMessage(f"the engine returned a non-finite logprob at version {version}; "  # unreadable
                                 "the batch is not published")
-        return TrajectoryBatch(samples=samples, policy_version=self.engine.loaded_version(spec.id),
+        return TrajectoryBatch(samples=samples, policy_version=self.engine.served_version(spec.id, lora),
                                metrics=metrics)
 
     async def sample_groups(self, spec: JobSpec, event: PolicyCommitted, step: int) -> TrajectoryBatch | None:
@@ -363,6 +436,7 @@ class Rollout:
         prompt_ids = [self.prompt_ids(spec, p) for p in problems]
         every: dict[int, tuple[list[Episode], list[float | None]]] = {}
         reward_times: list[tuple[float, float]] = []
+        finished: list[int] = []  # groups left unpublished: the job finished while they waited their turn
 
         async def group(i: int, ids: list[int], lora) -> None:
             episodes = await asyncio.gather(*(self.episode(spec, task, ids, lora, step, i, j)
@@ -384,15 +458,19 @@ class Rollout:
             last = len(every) == len(prompt_ids)  # no await since the line above: the last group out knows
             metrics = self.batch_metrics(task, grpo, [e for k in sorted(every) for e in every[k][0]],
                                          sum(r is not None for _, rs in every.values() for r in rs)) if last else {}
+            if not await self.wait_turn(spec, step):
+                finished.append(i)  # the job finished: publish nothing more
+                return
             await publish_group(self.bus, self.store, spec.id, step, i, len(prompt_ids), TrajectoryBatch(
-                samples=samples, policy_version=self.engine.loaded_version(spec.id), metrics=metrics))
+                samples=samples, policy_version=self.engine.served_version(spec.id, lora), metrics=metrics))
 
-        async with self._lock(spec.id), self.engine_turn():
-            lora = await self.load_adapter(spec.id, version, event)
+        async with self.adapter(spec, event) as lora:
             if lora is None:
                 return None
             started = time.time()
             await gather_or_cancel(*(group(i, ids, lora) for i, ids in enumerate(prompt_ids)))
+        if finished:
+            return None
         episodes = [e for k in sorted(every) for e in every[k][0]]
         rewards = [r for k in sorted(every) for r in every[k][1]]
         generate = {"problems_sha": digest([p.get("prompt", p.get("messages")) for p in problems]),

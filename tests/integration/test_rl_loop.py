@@ -351,9 +351,10 @@ def test_group_pipelining_trains_while_later_groups_generate_and_makes_the_same_
 
 
 def test_a_job_at_max_staleness_1_samples_ahead_and_trains_each_version_once(stack):
-    """grpo.max_staleness = 1: rollout samples step s + 1 with version s while the trainer trains
-    step s; every batch is within its bound, trained with the decoupled objective when stale, and
-    each version is committed once; the audit holds (it checks the bound on every batch)."""
+    """grpo.max_staleness = 1: rollout samples step s + 1 with the committed version while step s
+    generates and trains (several versions in the engine at once); every batch is within its
+    bound, trained with the decoupled objective when stale, and each version is committed once;
+    the audit holds (it checks the bound on every batch)."""
     view = wait_all(stack, [{"name": "stale1", "task": "reverse", "steps": 6, "seed": 22,
                              "grpo": {"max_staleness": 1, "prompts_per_step": 4, "group_size": 4}}])[0]
     assert view.state == "completed" and view.version == 6, view
@@ -367,6 +368,9 @@ def test_a_job_at_max_staleness_1_samples_ahead_and_trains_each_version_once(sta
     assert all(a["staleness"] == staleness[v] and a["max_staleness"] == 1 for v, a in trained.items())
     generated = {s.version: s.attrs["sampled_version"] for s in spans if s.phase == "generate"}
     assert generated == {v: a["sampled_version"] for v, a in trained.items()}
+    # steps 0 and 1 are due at once (1 <= 0 + k): two batches in the engine together
+    generating = {s.version: s for s in spans if s.phase == "generate"}
+    assert overlaps(generating[0], generating[1])
     assert audit_training(spans) == []
 
 

@@ -176,3 +176,35 @@ def test_a_vllm_engine_core_s_cpu_is_counted_apart_from_its_service():
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_learning_curves_pair_each_versions_reward_with_its_commit_time():
+    spans = [*one_version(), span("j", "accumulate", 1, 1.95, 1.97), span("j", "commit", 2, 2.4, 2.5)]
+    jobs = [{"id": "j", "name": "a", "state": "completed", "steps": 2, "rewards": [0.5, 0.75], "ttfs_s": None,
+             "tpts_s": None}]
+    m = run_metrics(spans, jobs, start=0.0, end=2.5)
+    assert m["curves"] == {"a": [[0, 1.9, 0.5], [1, 2.5, 0.75]]}
+    assert m["trainer_busy"] == pytest.approx((0.5 + 0.1 + 0.02 + 0.1) / 2.5)  # a pipelined group's work counts
+
+
+def test_seeds_are_averaged_and_kept_and_final_rewards_compared_within_two_sigma(tmp_path):
+    from marlaas.bench.report import final_rewards, same_reward_lines
+    from marlaas.bench.runner import mean_run
+
+    def run(sph, reward):
+        return {"jobs": 1, "steps_per_hour": sph, "wall_s": 3600 / sph, "mean_last_rewards": {"a": reward},
+                "final_reward": {"a": reward}, "curves": {"a": [[0, 1.0, reward]]}, "completed": 1}
+
+    batch = {"mode": "async-batch", **mean_run([run(100, 0.5), run(120, 0.6), run(110, 0.7)])}
+    stale = {"mode": "async-stale1", **mean_run([run(200, 0.55), run(210, 0.65), run(190, 0.6)])}
+    far = {"mode": "async-stale2", **mean_run([run(300, 0.1)])}
+    assert batch["steps_per_hour"] == pytest.approx(110) and len(batch["seeds"]) == 3 and batch["jobs"] == 1
+    learning = final_rewards([batch, stale, far])
+    assert learning[("async-batch", 1)][0] == pytest.approx(0.6)
+    lines = same_reward_lines(learning)
+    assert lines[0].startswith("met   final reward async-stale1@1 within 2 sigma of async-batch")
+    assert lines[1].startswith("MISSED  final reward async-stale2@1")
+    result = {"workload": "w", "quick": False, "steps_per_job": 1, "runs": [batch, stale],
+              "machine": {"cpus": 2, "platform": "p"}}
+    assert "Final reward" in markdown_report(result, {})
+    assert (tmp_path / "learning.png") in write_plots(result, tmp_path)

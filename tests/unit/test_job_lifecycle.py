@@ -3,6 +3,8 @@ committed version's figures, and which finished jobs a tenant's bound deletes. N
 
 from __future__ import annotations
 
+import msgspec
+
 from marlaas.platform.events import Blob, JobRecord, JobSpec, JobState, PolicyCommitted
 from services.manager.lifecycle import moved, oldest_beyond, progressed
 
@@ -37,6 +39,16 @@ def test_a_committed_version_records_its_reward_agent_metrics_and_times():
     v2 = progressed(v1, committed(2, **{"reward/mean": 0.7, "episode/turns": 3.0}))
     assert v2.rewards == [0.5, 0.7] and v2.metrics == {"tool/calls": [2.0], "episode/turns": [3.0]}
     assert v2.first_commit_at == 101.0 and v2.last_commit_at == 102.0
+
+
+def test_the_staleness_of_each_trained_batch_is_shown_for_a_job_that_allows_it():
+    strict = progressed(progressed(RECORD, committed(0)), committed(1, **{"reward/mean": 0.5, "staleness": 0.0}))
+    assert strict.metrics == {}
+    grpo = msgspec.structs.replace(RECORD.spec.grpo, max_staleness=1)
+    stale = msgspec.structs.replace(RECORD, spec=msgspec.structs.replace(RECORD.spec, grpo=grpo))
+    v1 = progressed(progressed(stale, committed(0)), committed(1, **{"reward/mean": 0.5, "staleness": 0.0}))
+    v2 = progressed(v1, committed(2, **{"reward/mean": 0.6, "staleness": 1.0}))
+    assert v2.metrics == {"staleness": [0.0, 1.0]}
 
 
 def test_a_repeated_announcement_changes_nothing():

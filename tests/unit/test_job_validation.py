@@ -136,6 +136,18 @@ def test_the_footprint_is_every_sequence_of_the_batch_at_its_longest():
     assert validation.kv_footprint(grpo, prompt_tokens=10, episode_tokens=6, kv_bytes_per_token=100) == 4 * 8 * 16 * 100
 
 
+def test_a_staleness_job_holds_a_batch_of_each_version_it_may_serve_at_once():
+    grpo = submission(grpo={"prompts_per_step": 4, "group_size": 8, "max_staleness": 2}).grpo
+    footprint = validation.kv_footprint(grpo, prompt_tokens=10, episode_tokens=6, kv_bytes_per_token=100)
+    assert footprint == 3 * 4 * 8 * 16 * 100
+    task = get_task("addition")
+    one = validation.validate_submission(submission(), FACTS, lambda dataset: task, words, 0.0).kv_cache_bytes
+    fits = StackFacts(**{**vars(FACTS), "kv_budget_bytes": 2 * one})
+    validation.validate_submission(submission(grpo={"max_staleness": 1}), fits, lambda dataset: task, words, 0.0)
+    with pytest.raises(SubmitError, match="more than the whole budget .* or grpo.max_staleness"):
+        validation.validate_submission(submission(grpo={"max_staleness": 2}), fits, lambda dataset: task, words, 0.0)
+
+
 def test_a_job_larger_than_the_whole_budget_is_refused():
     assert validation.footprint_problem(2**20, 2**20) == ""
     problem = validation.footprint_problem(3 * 2**20, 2**20)

@@ -84,3 +84,17 @@ def test_the_episode_loop_survives_any_sequence_of_turns(turns):
     assert episode.end_reason in ("answer", "length", "max_tool_calls", "context_full")
     assert episode.tool_calls == episode.tool_errors + episode.tool_successes <= LIMITS.max_tool_calls
     assert len(episode) <= LIMITS.max_total_tokens
+
+
+def test_an_episode_is_sampled_by_one_adapter_version_from_its_first_token_to_its_last():
+    """Bounded staleness serves several versions of a job over time: an episode's turns all go to
+    the adapter its batch was given (rollout binds it once per batch, under the job's lock, and
+    never deletes a version's files while a batch of it generates)."""
+    version_4 = object()  # the LoRARequest of (job, v4)
+    call = f'{CALL_OPEN}{{"name": "echo", "arguments": {{"text": "hi"}}}}{CALL_CLOSE}'
+    engine = ReplayedTurns(TOKENIZER, [call, call, "the answer"])
+    box = ToolBox("acme.job-1", ["acme.echo"], echo_tool, LIMITS.tool_timeout_s)
+    episode = asyncio.run(run_episode(engine, FMT, FMT.prompt_ids("q=", []), tools=box, limits=LIMITS,
+                                      temperature=1.0, lora=version_4, seed=lambda turn: turn))
+    assert episode.tool_successes == 2 and len(engine.loras) == 3
+    assert all(lora is version_4 for lora in engine.loras)

@@ -42,11 +42,11 @@ TASKS = ("addition", "reverse", "repeat")
 GC_SETTLE_S = 60.0
 
 
-async def _submit(url: str, jobs: int, steps: int) -> list[str]:
+async def _submit(url: str, jobs: int, steps: int, grpo: tuple[dict, ...]) -> list[str]:
     client = await BusClient.connect(url)
     try:
         return [await client.submit({"name": f"chaos-{i}", "task": TASKS[i % len(TASKS)], "steps": steps,
-                                     "seed": i}) for i in range(jobs)]
+                                     "seed": i, "grpo": grpo[i % len(grpo)]}) for i in range(jobs)]
     finally:
         await client.close()
 
@@ -130,12 +130,14 @@ def _gap(versions_left: int, kills_left: int) -> int:
 
 def run_chaos(jobs: int = 4, steps: int = 12, min_kills: int = 20, nats_restarts: int = 2,
               crash_p: float = 0.08, seed: int = 0, timeout_s: float = 1500.0,
-              on_event: Callable[[str], None] = print, home: Path | None = None) -> dict:
+              on_event: Callable[[str], None] = print, home: Path | None = None,
+              grpo: tuple[dict, ...] = ({},)) -> dict:
     """Run the chaos; return the counts and every problem found (an empty ``problems`` passes).
 
     A kill waits until the jobs have committed two more versions since the last one (fewer,
     and sooner, when the run nears its end short of ``min_kills``), so kills land all along the
-    run rather than on services still starting.
+    run rather than on services still starting. Job i gets ``grpo[i % len(grpo)]`` as its
+    settings (e.g. the default pipelined groups for some, ``max_staleness`` for others).
     """
     rng = random.Random(seed)
     home = home or Path(tempfile.mkdtemp(prefix="marlaas-chaos-"))
@@ -148,7 +150,7 @@ def run_chaos(jobs: int = 4, steps: int = 12, min_kills: int = 20, nats_restarts
 
     try:
         with Stack(config) as stack:
-            ids = asyncio.run(_submit(stack.nats_url, jobs, steps))
+            ids = asyncio.run(_submit(stack.nats_url, jobs, steps, grpo))
             restarts_at = sorted(int(rng.uniform(0.2, 0.7) * jobs * steps) for _ in range(nats_restarts))
             last_kill_at, next_kill = 0, time.monotonic() + rng.uniform(1, 3)
             while True:

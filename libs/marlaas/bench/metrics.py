@@ -146,7 +146,23 @@ def run_metrics(spans: Sequence[Span], jobs: Sequence[dict], start: float, end: 
         # less noisy than one batch: the mean of the last three versions' batch rewards
         "mean_last_rewards": {j["name"]: (statistics.mean(j["rewards"][-3:]) if j["rewards"] else None)
                               for j in jobs},
+        "curves": learning_curves(mine, jobs, start),
     }
+
+
+def learning_curves(spans: Sequence[Span], jobs: Sequence[dict], start: float) -> dict[str, list[list[float]]]:
+    """Per job, its batch reward at each trained version as [version, seconds since the run's start
+    at that version's commit, reward]: what a reader plots against versions and against wall time."""
+    committed = {(s.job, s.version): s.end for s in spans if s.phase == "commit"}
+    curves = {}
+    for j in jobs:
+        points = []
+        for version, reward in enumerate(j.get("rewards") or []):
+            at = committed.get((j["id"], version + 1))  # the batch of version v makes v + 1
+            if at is not None and reward is not None:
+                points.append([version, round(at - start, 3), reward])
+        curves[j["name"]] = points
+    return curves
 
 
 def timeline(spans: Sequence[Span], jobs: Sequence[dict], start: float) -> list[dict]:

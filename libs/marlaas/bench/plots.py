@@ -2,6 +2,7 @@
 
 - ``throughput.png``: steps/hour, and engine / trainer busy fractions, versus number of jobs;
 - ``latency.png``: TTFS and TPTS versus number of jobs (Figures 6-7);
+- ``learning.png``: batch reward against versions and against wall time, per mode and seed;
 - ``timeline-<mode>.png``: one run per mode, each job's rollout, reward, train and commit
   phases over time (Figure 3);
 - ``event-latency.png``: histograms of commit -> generate and ready -> train per mode.
@@ -112,10 +113,46 @@ def event_latency_plot(runs: list[dict], out: Path) -> Path:
     return path
 
 
+def learning_plot(runs: list[dict], out: Path) -> Path | None:
+    """Each mode's batch reward against versions and against wall time, one thin line per job and
+    seed (``curves``): what staleness costs in learning, and what it buys in time."""
+    curved = [r for r in runs if any(seed.get("curves") for seed in r.get("seeds", []))]
+    if not curved:
+        return None
+    plt = _pyplot()
+    fig, (by_version, by_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, (mode, rs) in enumerate(_by_mode(curved).items()):
+        color, labelled = colors[k % len(colors)], False
+        for run in rs:
+            for seed in run["seeds"]:
+                for points in (seed.get("curves") or {}).values():
+                    if not points:
+                        continue
+                    versions, seconds, rewards = zip(*points)
+                    label = None if labelled else f"{mode} ({len(run['seeds'])} seeds)"
+                    by_version.plot(versions, rewards, color=color, alpha=0.6, label=label)
+                    by_time.plot(seconds, rewards, color=color, alpha=0.6)
+                    labelled = True
+    by_version.set_xlabel("version")
+    by_time.set_xlabel("seconds since the jobs were submitted")
+    by_version.set_ylabel("batch reward")
+    by_version.set_title("reward against versions")
+    by_time.set_title("reward against wall time")
+    by_version.legend()
+    fig.tight_layout()
+    path = out / "learning.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_plots(result: dict, out: Path) -> list[Path]:
     """Every plot of ``result`` under ``out``; timelines use each mode's smallest multi-job run."""
     runs = [r for r in result["runs"] if r["mode"] != "inprocess" or r.get("steps_per_hour")]
     paths = [throughput_plot(runs, out), latency_plot(runs, out), event_latency_plot(runs, out)]
+    if (learning := learning_plot(runs, out)) is not None:
+        paths.append(learning)
     for mode, rs in _by_mode(result["runs"]).items():
         shown = next((r for r in rs if r["jobs"] > 1 and r.get("timeline")), None) or \
             next((r for r in rs if r.get("timeline")), None)

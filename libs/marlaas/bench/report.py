@@ -10,6 +10,7 @@ must reach it. Nested figures are dotted: ``handoff_ms.p50``.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 COLUMNS = (("mode", "mode", "{}"), ("jobs", "jobs", "{}"), ("steps", "steps", "{}"),
@@ -109,6 +110,33 @@ def check_targets(runs: list[dict], targets: dict[str, float]) -> list[TargetChe
     return checks
 
 
+def final_rewards(runs: list[dict]) -> dict[tuple[str, int], tuple[float, float, int]]:
+    """(mode, jobs) -> (mean, sd, n) of the final rewards (``mean_last_rewards``) of every job of
+    every seed of that run."""
+    out = {}
+    for r in runs:
+        values = [v for seed in r.get("seeds", []) for v in (seed.get("mean_last_rewards") or {}).values()
+                  if v is not None]
+        if values:
+            out[(r["mode"], r["jobs"])] = (statistics.mean(values), statistics.pstdev(values), len(values))
+    return out
+
+
+def same_reward_lines(learning: dict[tuple[str, int], tuple[float, float, int]],
+                      baseline: str = "async-batch") -> list[str]:
+    """Whether each mode reaches ``baseline``'s final reward within 2 sigma (the larger sd of the two)."""
+    lines = []
+    for (mode, jobs), (mean, sd, _) in learning.items():
+        base = learning.get((baseline, jobs))
+        if mode == baseline or base is None:
+            continue
+        sigma = max(sd, base[1])
+        met = abs(mean - base[0]) <= 2 * sigma
+        lines.append(f"{'met ' if met else 'MISSED'}  final reward {mode}@{jobs} within 2 sigma of {baseline}: "
+                     f"{mean:.3f} vs {base[0]:.3f} (2 sigma = {2 * sigma:.3f})")
+    return lines
+
+
 def markdown_report(result: dict, targets: dict[str, float]) -> str:
     """The whole result as markdown: the table, the ratios, the targets, the peak RSS."""
     runs = result["runs"]
@@ -127,6 +155,13 @@ def markdown_report(result: dict, targets: dict[str, float]) -> str:
     checks = check_targets(runs, targets)
     if checks:
         parts += ["Targets:", ""] + [f"- {c.line()}" for c in checks] + [""]
+    learning = final_rewards(runs)
+    if learning:
+        parts += ["Final reward (each job's mean batch reward over its last three versions), over seeds and jobs:",
+                  "", "| mode | jobs | mean | sd | n |", "|---|---|---|---|---|"]
+        parts += [f"| {mode} | {jobs} | {mean:.3f} | {sd:.3f} | {n} |"
+                  for (mode, jobs), (mean, sd, n) in learning.items()]
+        parts += [""] + [f"- {line}" for line in same_reward_lines(learning)] + [""]
     phased = [r for r in runs if r.get("phase_ms")]
     if phased:
         keys = list(phased[0]["phase_ms"])

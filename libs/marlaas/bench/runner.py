@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import os
 import shutil
+import statistics
 import tempfile
 import threading
 import time
@@ -186,9 +187,30 @@ def run_mode(workload: Workload, mode: str, quick: bool, progress: Progress | No
         warm_up(stack, with_mode(workload.one_of_each(f"{mode}-warmup")), f"{mode} warm-up", progress)
         for n in counts:
             label = f"{mode}-{n}"
-            run = measure(stack, with_mode(workload.submissions(n, quick, label)), label, progress, timeout_s)
-            runs.append({"mode": mode, **run})
+            repeats = [measure(stack, with_mode(workload.submissions(n, quick, f"{label}-s{seed}", seed)),
+                               f"{label} seed {seed}" if workload.seeds > 1 else label, progress, timeout_s)
+                       for seed in range(workload.seeds)]
+            runs.append({"mode": mode, **mean_run(repeats)})
     return runs
+
+
+def mean_run(repeats: list[dict]) -> dict:
+    """One sweep point's figures over its seeds: each top-level number the mean, the rest the first
+    seed's; ``seeds`` keeps each seed's throughput, rewards and learning curves."""
+    if len(repeats) == 1:
+        return {**repeats[0], "seeds": [_seed_figures(repeats[0])]}
+    first = repeats[0]
+    merged = {key: (statistics.mean(r[key] for r in repeats)
+                    if isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and all(isinstance(r.get(key), (int, float)) for r in repeats) else value)
+              for key, value in first.items()}
+    merged["jobs"] = first["jobs"]
+    return {**merged, "seeds": [_seed_figures(r) for r in repeats]}
+
+
+def _seed_figures(run: dict) -> dict:
+    return {key: run.get(key) for key in ("steps_per_hour", "wall_s", "final_reward", "mean_last_rewards",
+                                          "curves")}
 
 
 def load_inprocess_loop():

@@ -45,6 +45,9 @@ MODES: dict[str, dict[str, Any]] = {
     # ``grpo.*`` keys are the jobs' settings, not the stack's (``job_settings``)
     "async-batch": {"manager.schedule": "async", "grpo.pipeline": "batch"},
     "async-groups": {"manager.schedule": "async", "grpo.pipeline": "groups"},
+    # bounded staleness: batches sampled up to 1 or 2 versions behind the one they train
+    "async-stale1": {"manager.schedule": "async", "grpo.max_staleness": 1},
+    "async-stale2": {"manager.schedule": "async", "grpo.max_staleness": 2},
 }
 
 
@@ -84,8 +87,13 @@ class Workload(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     jobs: list[JobTemplate]
     config: dict[str, dict[str, Any]] = {}
     targets: dict[str, float] = {}
+    # each sweep point is run this many times with other job seeds (learning curves with a spread);
+    # the run's figures are the means over them
+    seeds: int = 1
 
     def __post_init__(self) -> None:
+        if not 1 <= self.seeds <= 10:
+            raise ValueError("seeds must be between 1 and 10")
         unknown = [m for m in [*self.modes, *self.quick_modes] if m not in MODES and m != BASELINE_LOOP]
         if unknown:
             raise ValueError(f"unknown modes {unknown}; choose from {[*MODES, BASELINE_LOOP]}")
@@ -105,13 +113,13 @@ class Workload(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def versions(self, quick: bool) -> int:
         return (self.quick_steps or self.steps) if quick else self.steps
 
-    def submissions(self, n_jobs: int, quick: bool, label: str) -> list[dict]:
-        """``n_jobs`` job submissions, cycling through the job list; seeded 0..n-1."""
+    def submissions(self, n_jobs: int, quick: bool, label: str, seed: int = 0) -> list[dict]:
+        """``n_jobs`` job submissions, cycling through the job list; seeded ``100 * seed`` + 0..n-1."""
         expanded = [t for t in self.jobs for _ in range(t.count)]
         out = []
         for i in range(n_jobs):
             t = expanded[i % len(expanded)]
-            out.append({"name": f"{label}-{t.name or t.task}-{i}", "task": t.task, "seed": i,
+            out.append({"name": f"{label}-{t.name or t.task}-{i}", "task": t.task, "seed": 100 * seed + i,
                         "steps": self.versions(quick), **({"grpo": t.grpo} if t.grpo else {}),
                         **({"lora": t.lora} if t.lora else {})})
         return out
