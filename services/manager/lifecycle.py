@@ -182,7 +182,8 @@ def moved(record: JobRecord, state: JobState, reason: str, fields: dict, now: fl
 
 def progressed(record: JobRecord, event: PolicyCommitted) -> JobRecord | None:
     """``record`` at the committed version ``event`` announces: its version, reward and agent
-    metrics (and the staleness of each trained batch, at ``grpo.max_staleness`` >= 1), and commit times; None for a repeat announcement (a version not above the record's)."""
+    metrics (and the staleness of each trained batch, at ``grpo.max_staleness`` >= 1), and commit
+    times; None for a repeat announcement (a version not above the record's)."""
     if event.version <= record.version:
         return None
     rewards = list(record.rewards)

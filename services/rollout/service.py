@@ -264,9 +264,8 @@ class Rollout:
             lora = await self.load_adapter(job, version, event)
             if lora is not None:
                 self.in_use[(job, version)] += 1
-        try:
-            async with self.engine_turn():
-                yield lora
+        try:  # no engine_turn (the single-LoRA ablation's gate): a batch waiting to publish its
+            yield lora  # turn would hold it from the batch before, which needs it to finish
         finally:
             if lora is not None:
                 self.in_use[(job, version)] -= 1
