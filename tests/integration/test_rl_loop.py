@@ -319,13 +319,13 @@ def test_tempered_sampling_is_trained_on_policy(stack):
 
 
 def test_group_pipelining_trains_while_later_groups_generate_and_makes_the_same_update(stack):
-    """grpo.pipeline = "groups" (the default): each group reaches the trainer as it is scored, so
+    """grpo.pipeline = "groups": each group reaches the trainer as it is scored, so
     the trainer's work on a version begins before its generation ends; the step waits for the
     whole batch, so the first update equals the whole-batch one (same problems, same samples at
     version 0: the same loss and the same rewards) and the audit holds."""
     spec = {"task": "reverse", "steps": 3, "seed": 21, "grpo": {"prompts_per_step": 4, "group_size": 4}}
-    groups = wait_all(stack, [{**spec, "name": "pipelined"}])[0]
-    whole = wait_all(stack, [{**spec, "name": "whole", "grpo": {**spec["grpo"], "pipeline": "batch"}}])[0]
+    groups = wait_all(stack, [{**spec, "name": "pipelined", "grpo": {**spec["grpo"], "pipeline": "groups"}}])[0]
+    whole = wait_all(stack, [{**spec, "name": "whole"}])[0]  # pipeline = "batch", the default
     assert groups.state == whole.state == "completed" and groups.version == whole.version == 3
     spans = run(all_spans(stack.nats_url))
 

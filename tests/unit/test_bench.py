@@ -197,13 +197,15 @@ def test_seeds_are_averaged_and_kept_and_final_rewards_compared_within_two_sigma
 
     batch = {"mode": "async-batch", **mean_run([run(100, 0.5), run(120, 0.6), run(110, 0.7)])}
     stale = {"mode": "async-stale1", **mean_run([run(200, 0.55), run(210, 0.65), run(190, 0.6)])}
-    far = {"mode": "async-stale2", **mean_run([run(300, 0.1)])}
+    far = {"mode": "async-stale2", **mean_run([run(300, 0.1), run(310, 0.12)])}
+    once = {"mode": "async-groups", **mean_run([run(300, 0.6)])}
     assert batch["steps_per_hour"] == pytest.approx(110) and len(batch["seeds"]) == 3 and batch["jobs"] == 1
-    learning = final_rewards([batch, stale, far])
+    learning = final_rewards([batch, stale, far, once])
     assert learning[("async-batch", 1)][0] == pytest.approx(0.6)
     lines = same_reward_lines(learning)
     assert lines[0].startswith("met   final reward async-stale1@1 within 2 sigma of async-batch")
     assert lines[1].startswith("MISSED  final reward async-stale2@1")
+    assert lines[2].startswith("not judged  final reward async-groups@1")
     result = {"workload": "w", "quick": False, "steps_per_job": 1, "runs": [batch, stale],
               "machine": {"cpus": 2, "platform": "p"}}
     assert "Final reward" in markdown_report(result, {})

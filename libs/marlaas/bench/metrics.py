@@ -58,11 +58,18 @@ def _by_key(spans: Iterable[Span], phase: str) -> dict[tuple[str, int], Span]:
     return {(s.job, s.version): s for s in spans if s.phase == phase}
 
 
+def _own_version(s: Span) -> bool:
+    """Whether a generate span's batch was sampled by the version it trains (not sampled ahead, at
+    bounded staleness: such a batch starts before its step's version exists, so there is no
+    handoff to measure)."""
+    return s.attrs.get("sampled_version", s.version) == s.version
+
+
 def handoffs_ms(spans: Sequence[Span]) -> list[float]:
     """Per version: commit of v (its span is filed under v) -> rollout starting to generate with v."""
     commits = _by_key(spans, "commit")
     return [(s.start - commits[(s.job, s.version)].end) * 1000 for s in spans
-            if s.phase == "generate" and (s.job, s.version) in commits]
+            if s.phase == "generate" and (s.job, s.version) in commits and _own_version(s)]
 
 
 def ready_to_train_ms(spans: Sequence[Span]) -> list[float]:
@@ -80,7 +87,7 @@ def overheads_ms(spans: Sequence[Span]) -> list[float]:
     for (job, v), train in by_phase["train"].items():
         generate, reward = by_phase["generate"].get((job, v)), by_phase["reward"].get((job, v))
         commit, announced = by_phase["commit"].get((job, v + 1)), by_phase["commit"].get((job, v))
-        if generate is None or reward is None or commit is None or announced is None:
+        if generate is None or reward is None or commit is None or announced is None or not _own_version(generate):
             continue
         out.append(((generate.start - announced.end) + (reward.end - reward.start)
                     + (train.start - reward.end) + (commit.end - commit.start)) * 1000)

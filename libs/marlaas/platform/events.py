@@ -59,10 +59,11 @@ class GrpoSettings(Wire):
     # like any other; "zero" = reward 0 (a penalty for not answering); "drop" = left out of the batch
     # (DAPO's overlong filtering: not trained on, not part of its group's baseline)
     truncated: str = "train"
-    # "groups": rollout publishes each GRPO group as soon as it is scored and the trainer adds its
-    # gradients while later groups are still generated, stepping once the batch is whole (the same
-    # update, strictly on-policy); "batch": the whole batch is published, then trained
-    pipeline: str = "groups"
+    # "batch": the whole batch is published, then trained; "groups": rollout publishes each GRPO group
+    # as soon as it is scored and the trainer adds its gradients while later groups are still
+    # generated, stepping once the batch is whole (the same update, strictly on-policy). "batch" is
+    # the default: on the 2-core CPU the per-group costs outweigh the overlap (docs/throughput.md)
+    pipeline: str = "batch"
     # bounded staleness: rollout samples batch s with the newest committed version b while the trainer
     # trains, as long as s - b <= max_staleness; 0 = strictly on-policy (every batch sampled by the
     # version it trains). A stale batch is trained with the decoupled objective (see grpo.py)
