@@ -103,6 +103,7 @@ class PolicyEngine:
             # seeded request's chunked prefill discards a sample ("CPU Generator does not use offset")
             enable_chunked_prefill=False, max_num_batched_tokens=max(rc.max_model_len, 4096),
             worker_extension_cls="marlaas.vllm_plugin.probe.EngineProbe",  # lora_kernels() asks it
+            scheduling_policy="priority" if rc.dispatch == "frontier" else "fcfs",
             **({"block_size": rc.block_size} if rc.block_size else {}),
             **({"max_num_seqs": rc.max_num_seqs} if rc.max_num_seqs else {}),
         )
@@ -184,12 +185,14 @@ class PolicyEngine:
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, lora,
                        seed: int | None, stop: list[str] | None = None, ignore_eos: bool = False,
                        top_p: float = 1.0, top_k: int = 0, stop_token_ids: list[int] | None = None,
-                       prompt_logprobs: bool = False) -> Completion:
+                       prompt_logprobs: bool = False, priority: int = 0) -> Completion:
         """One completion of ``prompt_ids`` (token in, token out) under ``lora``.
 
         Each sample is its own request with its own seed (vLLM's ``n > 1`` is a frontend
         fan-out giving child j the seed ``seed + j``, which overlaps other prompts' streams).
         A stop string is kept in the output, and ``token_ids`` end with the token completing it.
+        ``priority``: the request's place in the queue under ``rollout.dispatch = "frontier"``
+        (lower first; ignored under "fifo").
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -205,7 +208,8 @@ class PolicyEngine:
         final = None
         with self.utilization.engine_request():
             async for output in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
-                                                     request_id=uuid.uuid4().hex, lora_request=lora):
+                                                     request_id=uuid.uuid4().hex, lora_request=lora,
+                                                     priority=priority):
                 final = output
         if final is None or len(final.outputs) != 1:
             raise RuntimeError(f"engine returned no completion for a {len(prompt_ids)}-token prompt")

@@ -53,6 +53,7 @@ from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, r
 from services.rollout.announcements import Reaction, plan_announcement
 from services.rollout.engine import PolicyEngine
 from services.rollout.episode import Episode, episode_metrics, settle_truncated, to_score
+from services.rollout.frontier import Frontier
 from services.rollout.liveness import Liveness
 from services.rollout.rounds import SyncRounds, round_members
 from services.rollout.tinker_sampling import serve_tinker
@@ -395,8 +396,9 @@ class Rollout:
                 return None
             async with span(self.bus, SERVICE, "generate", spec.id, step, sampled_version=version,
                             problems_sha=digest([p.get("prompt", p.get("messages")) for p in problems])) as attrs:
+                frontier = self.frontier(len(prompt_ids), grpo.group_size)
                 episodes = await asyncio.gather(*(
-                    self.episode(spec, task, ids, lora, step, i, j)
+                    self.episode(spec, task, ids, lora, step, i, j, frontier=frontier)
                     for i, ids in enumerate(prompt_ids) for j in range(grpo.group_size)))
                 attrs["completions"] = len(episodes)
                 attrs["tokens"] = sum(len(seg.ids) for e in episodes for seg in e.segments if seg.kind == "sampled")
@@ -435,10 +437,11 @@ class Rollout:
         prompt_ids = [self.prompt_ids(spec, p) for p in problems]
         every: dict[int, tuple[list[Episode], list[float | None]]] = {}
         reward_times: list[tuple[float, float]] = []
+        frontier = self.frontier(len(prompt_ids), grpo.group_size)
         finished: list[int] = []  # groups left unpublished: the job finished while they waited their turn
 
         async def group(i: int, ids: list[int], lora) -> None:
-            episodes = await asyncio.gather(*(self.episode(spec, task, ids, lora, step, i, j)
+            episodes = await asyncio.gather(*(self.episode(spec, task, ids, lora, step, i, j, frontier=frontier)
                                               for j in range(grpo.group_size)))
             texts = await asyncio.to_thread(lambda: [self.transcript(e) for e in episodes])
             scored = to_score(episodes, grpo.truncated)
@@ -493,9 +496,11 @@ class Rollout:
         return metrics
 
     async def episode(self, spec: JobSpec, task: Task, prompt_ids: list[int], lora, step: int,
-                      prompt: int, sample: int, temperature: float | None = None) -> Episode:
+                      prompt: int, sample: int, temperature: float | None = None,
+                      frontier: Frontier | None = None) -> Episode:
         """One sample: a single turn for single-turn tasks, a tool-using episode for agentic ones
-        (one adapter version, ``lora``, from its first token to its last); ``step`` seeds it."""
+        (one adapter version, ``lora``, from its first token to its last); ``step`` seeds it.
+        ``frontier``: its batch's count, under ``rollout.dispatch = "frontier"``."""
         grpo, rc = spec.grpo, self.config.rollout
         limits = EpisodeLimits(
             max_new_tokens=grpo.max_new_tokens,
@@ -506,11 +511,20 @@ class Rollout:
         )
         tools = ToolBox(spec.id, list(spec.tools), self.watched_request(spec.id), rc.tool_timeout_s,
                         self.engine.utilization, context=tool_context(spec, task))
-        return await run_episode(
-            self.engine, self.format, prompt_ids, tools=tools, limits=limits,
-            temperature=grpo.temperature if temperature is None else temperature,
-            lora=lora, seed=lambda turn: sample_seed(spec, step, prompt, sample, turn),
-            ignore_eos=grpo.ignore_eos and temperature is None)  # evaluations answer freely
+        try:
+            return await run_episode(
+                self.engine, self.format, prompt_ids, tools=tools, limits=limits,
+                temperature=grpo.temperature if temperature is None else temperature,
+                lora=lora, seed=lambda turn: sample_seed(spec, step, prompt, sample, turn),
+                ignore_eos=grpo.ignore_eos and temperature is None,  # evaluations answer freely
+                priority=frontier.of(prompt) if frontier else None)
+        finally:
+            if frontier:
+                frontier.done(prompt)
+
+    def frontier(self, groups: int, group_size: int) -> Frontier | None:
+        """A batch's count for frontier-group dispatch (None under ``rollout.dispatch = "fifo"``)."""
+        return Frontier(groups, group_size) if self.config.rollout.dispatch == "frontier" else None
 
     def watched_request(self, job: str):
         """``bus.request`` for ``job``'s tool calls, telling :attr:`liveness` which tools answer."""

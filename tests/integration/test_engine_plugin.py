@@ -74,3 +74,33 @@ async def test_the_engine_core_runs_the_kernels_configured(tmp_path):
             "the adapters changed no output: the test would not see a wrong LoRA term"
     finally:
         engine.shutdown()
+
+
+@pytest.mark.timeout(600)
+async def test_frontier_dispatch_serves_the_waiting_request_of_the_batch_closest_to_complete_first(tmp_path):
+    """rollout.dispatch = "frontier": vLLM's priority scheduler; with one sequence a step, the
+    requests queued behind a running one are served lowest priority value first (the batch with
+    the fewest episodes left, services/rollout/frontier.py), not in the order they came."""
+    from services.rollout.frontier import Frontier
+
+    engine = PolicyEngine(engine_config(tmp_path, "fused", dispatch="frontier", max_num_seqs=1))
+    try:
+        assert engine.engine.vllm_config.scheduler_config.policy == "priority"
+        far, near = Frontier(groups=4, group_size=4), Frontier(groups=1, group_size=4)
+        near.done(0), near.done(0), near.done(0)  # one episode left in its batch
+        finished: list[str] = []
+
+        async def request(name: str, priority: int) -> None:
+            await engine.generate(PROMPTS[0], max_tokens=24, temperature=1.0, lora=None, seed=1, ignore_eos=True,
+                                  priority=priority)
+            finished.append(name)
+
+        first = asyncio.create_task(request("running", 0))
+        await asyncio.sleep(0.3)  # it holds the one slot; the next two wait
+        late = [asyncio.create_task(request("far", far.priority(0))),
+                asyncio.create_task(request("near", near.priority(0)))]
+        await asyncio.gather(first, *late)
+        assert near.priority(0) < far.priority(0)
+        assert finished == ["running", "near", "far"]
+    finally:
+        engine.shutdown()

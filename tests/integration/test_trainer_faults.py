@@ -192,12 +192,13 @@ async def watch_terminations(bus: Bus) -> list[int]:
 
 
 @contextlib.asynccontextmanager
-async def trainer_running(bus: Bus, trainer: Trainer, *, max_deliver: int = 20):
+async def trainer_running(bus: Bus, trainer: Trainer, *, max_deliver: int = 20, ack_wait_s: float = 60.0):
     """The trainer's consume loop as services/trainer runs it (retries sped up)."""
     stop = asyncio.Event()
     loop = asyncio.create_task(bus.consume(
-        "TRAJ", "trainer", "marlaas.trajectory.ready.>", trainer.handle, stop=stop, ack_wait_s=60.0,
-        concurrency=1, on_give_up=trainer.give_up, max_deliver=max_deliver, retry_delay_s=0.05))
+        "TRAJ", "trainer", "marlaas.trajectory.ready.>", trainer.handle, stop=stop, ack_wait_s=ack_wait_s,
+        concurrency=1, on_give_up=trainer.give_up, max_deliver=max_deliver, retry_delay_s=0.05,
+        max_ack_pending=trainer_service.MAX_HELD))
     try:
         yield
     finally:
@@ -687,3 +688,81 @@ async def test_a_finished_job_leaves_the_trainers_memory_before_the_next_step(bu
     assert delivery.outcome == "ack"
     assert set(trainer.policy.hot) == {going.id}
     assert (await committed(bus, going.id)).version == 2
+
+
+# --- pipelined groups and bounded staleness (issue 37) -------------------------------------------
+
+
+async def commit_fake(bus: Bus, job: str, version: int) -> None:
+    """Move the job's committed version to ``version`` (the v0 adapter under its name): the trainer
+    has trained that far, as far as this test's batch is concerned."""
+    entry = await bus.kv_get(VERSIONS_BUCKET, job)
+    await bus.kv_update(VERSIONS_BUCKET, job, encode(msgspec.structs.replace(
+        COMMITTED.decode(entry.value), version=version, batch_id=f"{job}:v{version - 1}")), entry.revision)
+
+
+async def test_a_batch_sampled_further_behind_than_its_bound_is_never_trained_and_fails_its_job(bus, file_store):
+    spec = await running_job(bus, file_store, "too-stale", grpo=msgspec.structs.replace(GRPO, max_staleness=1))
+    await commit_fake(bus, spec.id, 2)
+    trainer = Trainer(bus, file_store, PolicyTrainer(BASE))
+    async with trainer_running(bus, trainer):
+        await publish_batch(bus, file_store, spec.id, 2, batch_of(0))  # step 2, sampled by version 0
+        reasons = await wait_for(lambda: failures(bus, spec.id), what="a failure report")
+    assert reasons == ["batch for step 2 was sampled by version 0, 2 behind: more than grpo.max_staleness = 1; "
+                       "dropped, not trained"]
+    assert await trained(bus, spec.id) == [] and await version_history(bus, spec.id) == [0, 2]
+
+
+async def test_a_batch_within_its_bound_is_trained_off_policy_and_recorded_as_stale(bus, file_store):
+    """Step 1 sampled by version 0 (k = 1): trained with the decoupled objective from version 1,
+    committed once, its staleness on the train span and the committed version; the audit holds."""
+    from marlaas.platform.audit import audit_training
+
+    spec = await running_job(bus, file_store, "stale-ok", grpo=msgspec.structs.replace(GRPO, max_staleness=1))
+    await commit_fake(bus, spec.id, 1)
+    trainer = Trainer(bus, file_store, PolicyTrainer(BASE))
+    async with trainer_running(bus, trainer):
+        await publish_batch(bus, file_store, spec.id, 1, batch_of(0))
+        await wait_for(lambda: at_version(bus, spec.id, 2), what="version 2")
+    [span] = [s for s in await read_spans(bus, spec.id) if s.phase == "train"]
+    assert (span.version, span.attrs["sampled_version"], span.attrs["staleness"]) == (1, 0, 1)
+    assert span.attrs["adapter_version"] == 1 and span.attrs["max_staleness"] == 1
+    assert (await committed(bus, spec.id)).metrics["staleness"] == 1.0
+    assert audit_training(await read_spans(bus, spec.id)) == []
+
+
+async def test_a_trainer_that_dies_holding_half_a_batch_of_groups_starts_the_version_over(bus, file_store):
+    """grpo.pipeline = "groups": group 0 is added and held unacked; the trainer dies (its consume
+    loop gone, nothing acked). A fresh trainer gets group 1, then group 0 again when its ack timer
+    runs out, and commits version 1 once, from both groups, with no group in it twice."""
+    grpo = msgspec.structs.replace(GRPO, prompts_per_step=2, pipeline="groups")
+    spec = await running_job(bus, file_store, "halfway", grpo=grpo)
+
+    async def publish(group: int) -> None:
+        batch = batch_of(0, rewards=(1.0, 0.0) if group == 0 else (0.0, 0.5))
+        batch = msgspec.structs.replace(batch, samples=[msgspec.structs.replace(x, group=group)
+                                                        for x in batch.samples])
+        await bus.publish(subjects.trajectory_ready(spec.id), encode(TrajectoryReady(
+            job=spec.id, version=0, batch_id=f"{spec.id}:v0", batch=batch, group=group, groups=2)),
+            msg_id=f"{spec.id}:v0:g{group}")
+
+    first = Trainer(bus, file_store, PolicyTrainer(BASE))
+    async with trainer_running(bus, first, ack_wait_s=3.0):
+        await publish(0)
+        await wait_for(lambda: asyncio.sleep(0, spec.id in first.pending and first.pending[spec.id].held),
+                       what="group 0 added and held")
+        assert set(first.pending[spec.id].held) == {0}
+    # the first trainer is gone with group 0 unacked (a SIGKILL leaves the same)
+    second = Trainer(bus, file_store, PolicyTrainer(BASE))
+    async with trainer_running(bus, second, ack_wait_s=3.0):
+        await publish(1)
+        await wait_for(lambda: at_version(bus, spec.id, 1), what="version 1")
+    assert await version_history(bus, spec.id) == [0, 1] and await announced(bus, spec.id) == [1]
+    spans = await read_spans(bus, spec.id)
+    [train] = [s for s in spans if s.phase == "train"]
+    assert train.attrs["groups"] == 2 and train.attrs["tokens"] == 8.0  # 2 groups x 2 samples x 2 tokens
+    committed_attempt = train.attrs["attempt"]
+    added = sorted(s.attrs["group"] for s in spans
+                   if s.phase == "accumulate" and s.attrs["attempt"] == committed_attempt)
+    assert added == [0, 1]  # each group once in the committed update (group 0 was added twice in all)
+    assert sorted(s.attrs["group"] for s in spans if s.phase == "accumulate") == [0, 0, 1]

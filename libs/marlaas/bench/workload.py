@@ -45,6 +45,8 @@ MODES: dict[str, dict[str, Any]] = {
     # ``grpo.*`` keys are the jobs' settings, not the stack's (``job_settings``)
     "async-batch": {"manager.schedule": "async", "grpo.pipeline": "batch"},
     "async-groups": {"manager.schedule": "async", "grpo.pipeline": "groups"},
+    # ... and the engine serving first the batches and groups closest to complete, against FIFO
+    "async-groups-frontier": {"manager.schedule": "async", "grpo.pipeline": "groups", "rollout.dispatch": "frontier"},
     # bounded staleness: batches sampled up to 1 or 2 versions behind the one they train
     "async-stale1": {"manager.schedule": "async", "grpo.max_staleness": 1},
     "async-stale2": {"manager.schedule": "async", "grpo.max_staleness": 2},

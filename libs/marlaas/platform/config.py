@@ -40,6 +40,9 @@ class RolloutConfig(Section):
     # sequences in one engine step (0 = vLLM's default, 128): enough for every concurrent job's
     # episodes, since on a small model a step's fixed cost is most of it (benchmarks/engine_lora.py)
     max_num_seqs: Annotated[int, msgspec.Meta(ge=0)] = 1024
+    # the order the engine serves waiting requests in: "fifo" (first come, first served) or
+    # "frontier" (the batches, and groups, closest to complete first: services/rollout/frontier.py)
+    dispatch: Literal["fifo", "frontier"] = "fifo"
     dtype: str = "float32"
     concurrency: int = 16  # jobs sampled at once by one replica
     # Tinker asample requests in one replica's engine at once (each up to 64 sequences), and of one
