@@ -154,10 +154,6 @@ class PolicyEngine:
             why = f"the engine core saw {KERNELS_ENV}={running}; do not set it by hand, rollout sets it from the config"
         raise RuntimeError(f"rollout.cpu_lora_kernels = {wanted!r} but the vLLM engine core runs {running!r}: {why}")
 
-    def loaded_version(self, job: str) -> int:
-        """The newest version of ``job``'s adapter this engine serves (-1: none loaded)."""
-        return max(self._loaded.get(job) or [-1])
-
     def served_version(self, job: str, lora) -> int:
         """The version ``lora`` (a request of :meth:`use_adapter`) serves for ``job`` (-1: unknown)."""
         return next((v for v, r in (self._loaded.get(job) or {}).items() if r is lora), -1)

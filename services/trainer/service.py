@@ -190,7 +190,7 @@ class Trainer:
         if action is GroupAction.START_OVER:
             await self.release(job, "nak")
             pending = self.pending[job] = PendingBatch(version, uuid.uuid4().hex, time.time())
-        batch = event.batch if event.batch is not None else BATCH.decode(self.store.fetch(event.batch_ref))
+        batch = await self._batch(event)
         if problem := staleness_problem(version, batch.policy_version, snapshot.record.spec.grpo.max_staleness):
             await self.release(job, "term")
             await self._fail(job, version, problem)
@@ -219,6 +219,13 @@ class Trainer:
         if batch_whole(pending.sequences(), event.groups):
             del self.pending[job]
             await self._step_and_commit(pending, event, snapshot)
+
+    async def _batch(self, event: TrajectoryReady) -> TrajectoryBatch:
+        """The event's batch: inline, or read from the store and decoded off the event loop (a
+        blob of up to a batch's size must not hold the held groups' heartbeats)."""
+        if event.batch is not None:
+            return event.batch
+        return await asyncio.to_thread(lambda: BATCH.decode(self.store.fetch(event.batch_ref)))
 
     def _add(self, committed: CommittedVersion, batch: TrajectoryBatch, spec: JobSpec, begin: bool) -> None:
         """Load the job if it is cold (or at another version), begin its batch if asked, add the group."""
@@ -278,7 +285,7 @@ class Trainer:
         revision read, announce it, then ack: the commit protocol of the module docstring."""
         job, version = event.job, event.version
         record, committed = snapshot.record, snapshot.committed
-        batch = event.batch if event.batch is not None else BATCH.decode(self.store.fetch(event.batch_ref))
+        batch = await self._batch(event)
         spec = record.spec
         if problem := staleness_problem(version, batch.policy_version, spec.grpo.max_staleness):
             await self._fail(job, version, problem)

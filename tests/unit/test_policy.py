@@ -297,6 +297,23 @@ def perturbed(base_dir, v0):
     return trainer
 
 
+def reference_gradients(trainer, job, data: TrajectoryBatch, settings: GrpoSettings):
+    """``reference_loss`` and the gradients it gives the job's parameters (theirs cleared first)."""
+    params = trainer.hot[job].params
+    for p in params:
+        p.grad = None
+    expected = reference_loss(trainer, job, data, settings)
+    expected.backward()
+    return expected, [p.grad.clone() for p in params]
+
+
+def assert_gradients_equal(params, expected_grads) -> None:
+    worst = max((p.grad - g).abs().max().item() for p, g in zip(params, expected_grads))
+    scale = max(g.abs().max().item() for g in expected_grads)
+    assert scale > 1e-3  # the comparison is not vacuous
+    assert worst < 1e-5 * max(1.0, scale)  # float32 summation order differs between the paths
+
+
 @pytest.mark.parametrize("temperature,kl_coef,split_head", [
     (1.0, 0.0, True), (0.7, 0.0, True), (0.7, 0.2, True), (0.7, 0.2, False),
 ])
@@ -305,11 +322,7 @@ def test_micro_batched_loss_and_gradients_equal_the_whole_batch(perturbed, tempe
     settings = GrpoSettings(temperature=temperature, kl_coef=kl_coef)
     data = uneven_batch(trainer, job, temperature)
     params = trainer.hot[job].params
-    for p in params:
-        p.grad = None
-    expected = reference_loss(trainer, job, data, settings)
-    expected.backward()
-    expected_grads = [p.grad.clone() for p in params]
+    expected, expected_grads = reference_gradients(trainer, job, data, settings)
 
     trainer.split_head = split_head
     try:
@@ -319,10 +332,7 @@ def test_micro_batched_loss_and_gradients_equal_the_whole_batch(perturbed, tempe
     assert abs(got["loss"] - expected.item()) < 1e-5 * max(1.0, abs(expected.item()))  # float32 sums, as below
     assert got["tokens"] == sum(sum(s.loss_mask) for s in data.samples)
     assert 0 < got["clip_fraction"] < 1 and (got["kl"] > 0) == (kl_coef > 0)
-    worst = max((p.grad - g).abs().max().item() for p, g in zip(params, expected_grads))
-    scale = max(g.abs().max().item() for g in expected_grads)
-    assert scale > 1e-3  # the comparison is not vacuous
-    assert worst < 1e-5 * max(1.0, scale)  # float32 summation order differs between the two paths
+    assert_gradients_equal(params, expected_grads)
 
 
 @pytest.mark.parametrize("temperature,kl_coef", [(1.0, 0.0), (0.7, 0.0), (1.0, 0.2), (0.7, 0.2)])
@@ -334,11 +344,7 @@ def test_the_pipelined_loss_and_gradients_equal_the_whole_batch(perturbed, tempe
     settings = GrpoSettings(temperature=temperature, kl_coef=kl_coef)
     data = uneven_batch(trainer, job, temperature)
     params = trainer.hot[job].params
-    for p in params:
-        p.grad = None
-    expected = reference_loss(trainer, job, data, settings)
-    expected.backward()
-    expected_grads = [p.grad.clone() for p in params]
+    expected, expected_grads = reference_gradients(trainer, job, data, settings)
     whole = trainer.accumulate_gradients(job, data, settings)
 
     trainer.begin_batch(job)
@@ -354,10 +360,7 @@ def test_the_pipelined_loss_and_gradients_equal_the_whole_batch(perturbed, tempe
     for key in ("clip_fraction", "kl", "logprob_gap", "tokens_scored"):
         assert got[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
     assert (got["kl"] > 0) == (kl_coef > 0)
-    worst = max((p.grad - g).abs().max().item() for p, g in zip(params, expected_grads))
-    scale = max(g.abs().max().item() for g in expected_grads)
-    assert scale > 1e-3  # the comparison is not vacuous
-    assert worst < 1e-5 * max(1.0, scale)
+    assert_gradients_equal(params, expected_grads)
 
 
 def test_a_step_needs_a_batch_begun(perturbed):
