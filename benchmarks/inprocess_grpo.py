@@ -113,7 +113,7 @@ async def sample_batch(engine, fmt: ConversationFormat, config: Config, spec: Jo
                for k, (e, r, t) in enumerate(zip(episodes, rewards, texts))]
     tokens = sum(len(s.ids) for e in episodes for s in e.segments if s.kind == "sampled")
     metrics = episode_metrics(episodes) if task.kind == "agentic" else {}
-    batch = TrajectoryBatch(samples=samples, policy_version=engine.loaded_version(spec.id), metrics=metrics)
+    batch = TrajectoryBatch(samples=samples, policy_version=version, metrics=metrics)
     return batch, tokens, generated
 
 

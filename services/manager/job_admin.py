@@ -47,23 +47,34 @@ CREATE_MODEL_AGAIN = ("finish a Tinker session (close its ServiceClient) or canc
                       "then create the model again")
 
 
-async def quota_refusal(bus: Bus, tenant: str, unfinished_jobs: list[JobRecord], then: str = SUBMIT_AGAIN) -> str:
-    """Why ``tenant`` may not add a job or a Tinker model now ("" = it may): it has ``max_jobs``
-    queued or running jobs and live Tinker models (``unfinished_jobs``: every tenant's, from the
-    manager's index); ``then`` says what to do about it.
+def lora_slots(spec: JobSpec) -> int:
+    """The adapters a job has the engine serve at once: its current version, and at bounded
+    staleness up to ``max_staleness`` older ones still generating."""
+    return 1 + max(spec.grpo.max_staleness, 0)
+
+
+async def quota_refusal(bus: Bus, tenant: str, unfinished_jobs: list[JobRecord], then: str = SUBMIT_AGAIN,
+                        slots: int = 1) -> str:
+    """Why ``tenant`` may not add a job or a Tinker model now ("" = it may): its queued or running
+    jobs' LoRA slots (``lora_slots``: one a job, 1 + k at ``max_staleness = k``) and its live Tinker
+    models, plus the ``slots`` the new one takes, would exceed ``max_jobs`` (``unfinished_jobs``:
+    every tenant's, from the manager's index); ``then`` says what to do about it.
 
     A tenant without a record (jobs submitted straight over NATS by internal tools) is not limited.
     """
     record = await get_tenant(bus, tenant)
     if record is None:
         return ""
-    unfinished = sum(job.spec.tenant == tenant for job in unfinished_jobs)
-    models = await tinker.active_models(bus, tenant) if unfinished < record.max_jobs else 0
-    if unfinished + models < record.max_jobs:
+    mine = [job for job in unfinished_jobs if job.spec.tenant == tenant]
+    held = sum(lora_slots(job.spec) for job in mine)
+    models = await tinker.active_models(bus, tenant) if held + slots <= record.max_jobs else 0
+    if held + models + slots <= record.max_jobs:
         return ""
     also = f" and {models} Tinker models in live sessions" if models else ""
-    return (f"tenant {tenant!r} already has {unfinished} jobs queued or running{also}, its quota (max_jobs = "
-            f"{record.max_jobs}): {then}")
+    stale = f", holding {held} LoRA slots (a job at max_staleness = k holds 1 + k)" if held != len(mine) else ""
+    needs = f"; this one needs {slots} (1 + grpo.max_staleness)" if slots > 1 else ""
+    return (f"tenant {tenant!r} already has {len(mine)} jobs queued or running{stale}{also}, its quota "
+            f"(max_jobs = {record.max_jobs}){needs}: {then}")
 
 
 async def size_refusal(bus: Bus, spec: JobSpec) -> str:

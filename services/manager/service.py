@@ -55,7 +55,7 @@ from marlaas.tools.registry import read_tool, reward_subject
 from services.manager.adaptive import AdaptiveAdmission
 from services.manager.admission import kv_bytes_per_token, to_admit
 from services.manager.gc import JobCollections, acknowledge_collected
-from services.manager.job_admin import delete_job, pin_version, quota_refusal, size_refusal
+from services.manager.job_admin import delete_job, lora_slots, pin_version, quota_refusal, size_refusal
 from services.manager.lifecycle import JobRegistry, RecordChange, delete_oldest_finished, progressed
 from services.manager.lifecycle import oldest_beyond as oldest_beyond  # re-exported: tests import it here
 from services.manager.sizing import max_token_chars
@@ -196,7 +196,8 @@ class Manager:
             if request.idempotency_key and await self.bus.kv_get(JOBS_BUCKET, spec.id) is not None:
                 log.info("submission repeated: answered with its job", job=spec.id)
                 return api.SubmitReply(id=spec.id)  # the id is the key's: the same submission, retried
-            refusal = await quota_refusal(self.bus, spec.tenant, await self.jobs.unfinished_records())
+            refusal = await quota_refusal(self.bus, spec.tenant, await self.jobs.unfinished_records(),
+                                          slots=lora_slots(spec))
             if refusal:
                 return api.SubmitReply(error=refusal, code=api.QUOTA)
             try:

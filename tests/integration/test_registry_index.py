@@ -57,3 +57,24 @@ async def test_finished_jobs_do_not_slow_submission(bus, file_store, tmp_path):
     assert (await manager.submit(submission("a1", "acme"))).id
     refused = await manager.submit(submission("a2", "acme"))
     assert refused.code == api.QUOTA and "max_jobs = 1" in refused.error
+
+
+async def test_a_staleness_job_counts_its_extra_lora_slots_against_the_quota(bus, file_store, tmp_path):
+    """At max_staleness = k the engine serves up to 1 + k versions of the job at once: it holds
+    1 + k of its tenant's max_jobs, and a job that needs more than is left is refused, saying why."""
+    config = load_config(overrides={"home": str(tmp_path)}, env={})
+    manager = await asyncio.to_thread(Manager, bus, file_store, config)
+    await add_tenant(bus, "acme", max_jobs=3)
+
+    def stale(name: str, k: int) -> bytes:
+        return msgspec.json.encode({"name": name, "task": "addition", "steps": 2, "tenant": "acme",
+                                    "grpo": {"max_staleness": k}})
+
+    too_big = await manager.submit(stale("k3", 3))  # 4 slots against 3
+    assert too_big.code == api.QUOTA and "this one needs 4 (1 + grpo.max_staleness)" in too_big.error
+    assert (await manager.submit(stale("k1", 1))).id  # 2 slots of 3
+    refused = await manager.submit(stale("k1-again", 1))  # 2 more: 4 against 3
+    assert refused.code == api.QUOTA
+    assert "1 jobs queued or running, holding 2 LoRA slots (a job at max_staleness = k holds 1 + k)" in refused.error
+    assert (await manager.submit(submission("plain", "acme"))).id  # 1 slot: exactly 3
+    assert (await manager.submit(submission("one-more", "acme"))).code == api.QUOTA

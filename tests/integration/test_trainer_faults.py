@@ -108,15 +108,18 @@ async def committed(bus: Bus, job: str) -> CommittedVersion:
 
 
 async def version_history(bus: Bus, job: str) -> list[int]:
-    """Every value the job's ``versions`` entry has held, oldest first."""
-    kv = await bus.js.key_value(VERSIONS_BUCKET)
-    return [COMMITTED.decode(entry.value).version for entry in await kv.history(job)]
+    """Every value the job's ``versions`` entry has held, oldest first (read off the bucket's stream:
+    nats-py's ``history`` can race its first message under load and report no keys)."""
+    return [COMMITTED.decode(data).version for data in await versions_written(bus, job)]
 
 
 async def read_v0(bus: Bus, job: str) -> CommittedVersion:
     """Version 0 as the manager committed it (the first value of the job's ``versions`` entry)."""
-    kv = await bus.js.key_value(VERSIONS_BUCKET)
-    return COMMITTED.decode((await kv.history(job))[0].value)
+    return COMMITTED.decode((await versions_written(bus, job))[0])
+
+
+async def versions_written(bus: Bus, job: str) -> list[bytes]:
+    return await bus.read_all(f"KV_{VERSIONS_BUCKET}", f"$KV.{VERSIONS_BUCKET}.{job}")
 
 
 async def announced(bus: Bus, job: str) -> list[int]:
