@@ -37,6 +37,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
 # what becomes of an episode that ends before the model answered (length, max_tool_calls, context_full)
 TRUNCATED_MODES = ("train", "zero", "drop")
 PIPELINE_MODES = ("groups", "batch")
+OBJECTIVES = ("grpo", "sft")
 
 
 class GrpoSettings(Wire):
@@ -81,6 +82,13 @@ class LoraSettings(Wire):
     )
 
 
+class SftSettings(Wire):
+    """How an ``sft`` job goes through its conversations (its optimizer settings are ``grpo``'s)."""
+
+    batch_size: int = 8  # conversations a step
+    epochs: int = 0  # times through the dataset; sets the job's steps (0: the job's ``steps`` as given)
+
+
 class JobSpec(Wire):
     """A validated, admitted-or-queued job. ``id`` is ``<tenant>.<slug>``."""
 
@@ -101,6 +109,11 @@ class JobSpec(Wire):
     eval_dataset: str | None = None  # a held-out JSONL for dataset tasks (else a fixed held-out draw)
     grpo: GrpoSettings = msgspec.field(default_factory=GrpoSettings)
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
+    sft: SftSettings = msgspec.field(default_factory=SftSettings)
+    # where version 0 comes from ("" = a fresh adapter): "JOB@VERSION" / "JOB@latest" (a job of the
+    # same tenant), "tinker://..." (a Tinker checkpoint of the same tenant) or an uploaded adapter
+    # ("file-..."); resolved at submission into ``init_adapter``
+    init_from: str = ""
     submitted_at: float = 0.0
 
 
@@ -213,6 +226,9 @@ class TrajectoryBatch(Wire):
     # the audit compares it with the trainer's own record, independently of the trainer's check
     policy_version: int = -1
     metrics: dict[str, float] = {}  # rollout's per-batch figures (tool calls, turns, tool wait...)
+    # what the samples train: "grpo" (rewards -> group advantages, the clipped policy gradient) or
+    # "sft" (the cross-entropy of the masked tokens: a supervised batch, the same samples otherwise)
+    objective: str = "grpo"
 
 
 class TrajectoryReady(Event, tag="trajectory.ready"):

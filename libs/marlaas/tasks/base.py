@@ -19,7 +19,7 @@ class Task(abc.ABC):
     """A family of problems with a verifiable reward in [0, 1]."""
 
     name: ClassVar[str]
-    kind: ClassVar[Literal["single-turn", "agentic"]] = "single-turn"
+    kind: ClassVar[Literal["single-turn", "agentic", "supervised"]] = "single-turn"
     description: ClassVar[str]
     max_new_tokens: ClassVar[int] = 16  # a generation budget that fits the answers (per turn)
     needs_dataset: ClassVar[bool] = False
