@@ -115,3 +115,12 @@ def staleness_problem(step: int, sampled_version: int, max_staleness: int) -> st
         return (f"batch for step {step} was sampled by version {sampled_version}, {staleness} behind: more than "
                 f"grpo.max_staleness = {max_staleness}; dropped, not trained")
     return ""
+
+
+def objective_problem(task: str, objective: str) -> str:
+    """Why a batch with ``objective`` does not suit a job of ``task`` ("" if it does): an ``sft``
+    job trains supervised batches only, any other job GRPO batches only."""
+    expected = "sft" if task == "sft" else "grpo"
+    if objective == expected:
+        return ""
+    return f"a {objective!r} batch reached a job of task {task!r}, which trains {expected!r} batches; not trained"

@@ -40,6 +40,13 @@ not from the stale behaviour policy. A batch of staleness 0 keeps the formula ab
 the sampler's logprobs). ``logprob_gap`` is then the behaviour gap |logp_prox - logp_mu|, large
 by design; the audit checks it only on batches of staleness 0.
 
+Supervised batches (``TrajectoryBatch.objective = "sft"``, the ``sft`` task) go through the same
+path with the cross-entropy of their masked tokens (the assistant's, at tau = 1) as the loss,
+
+    L_sft    = -sum_it m_it * logp_theta(y_it) / N
+
+aggregated over tokens as L_clip is: one sample type, one packing, one accumulation and step.
+
 Micro-batching is exact: L is a sum over tokens divided by the constant N of the
 *whole* batch, so a micro-batch contributes its own token sum over that same N
 (``grpo_loss(..., total_tokens=N)``) and the accumulated gradients and summed
@@ -188,3 +195,11 @@ def grpo_loss(
         was_clipped = ((ratio_B_T - 1).abs() > clip_eps).float() * mask_B_T
         gap = (log_ratio_B_T.abs().sum() / tokens).item()
     return GrpoLoss(loss, (was_clipped.sum() / tokens).item(), kl.detach().item(), gap)
+
+
+def supervised_loss(logprobs_B_T: torch.Tensor, mask_B_T: torch.Tensor, total_tokens: float | None = None) -> GrpoLoss:
+    """The masked tokens' mean negative log-likelihood (``total_tokens`` as in :func:`grpo_loss`)."""
+    mask_B_T = mask_B_T.float()
+    tokens = max(float(mask_B_T.sum()) if total_tokens is None else total_tokens, 1.0)
+    loss = -(logprobs_B_T * mask_B_T).sum() / tokens
+    return GrpoLoss(loss, 0.0, 0.0, 0.0)

@@ -43,6 +43,7 @@ from services.trainer.grpo import (
     head_logprobs,
     micro_batches,
     scored_positions,
+    supervised_loss,
     token_logprobs,
 )
 
@@ -269,7 +270,7 @@ class PolicyTrainer:
         """One optimizer step on ``batch``; the job moves to version + 1 in memory."""
         with self.lock:
             self.begin_batch(job)
-            self.add_groups(job, batch.samples, settings, batch.policy_version)
+            self.add_groups(job, batch.samples, settings, batch.policy_version, batch.objective)
             return self.step(job, settings)
 
     def begin_batch(self, job: str) -> None:
@@ -284,7 +285,7 @@ class PolicyTrainer:
         return hot.accumulated if hot else None
 
     def add_groups(self, job: str, samples: list[Sample], settings: GrpoSettings,
-                   sampled_version: int | None = None) -> None:
+                   sampled_version: int | None = None, objective: str = "grpo") -> None:
         """Add the GRPO gradients of complete groups (every sample of each group present) to the
         job's batch in progress, one micro-batch at a time; call with ``lock`` held.
 
@@ -299,7 +300,8 @@ class PolicyTrainer:
         tokens still count in N. ``clip_fraction`` and ``logprob_gap`` are then averages over
         the scored tokens (``tokens_scored``) rather than all ``tokens``. Samples of an older
         version than the job's (``sampled_version``, bounded staleness) are trained with the
-        decoupled objective (grpo.py).
+        decoupled objective (grpo.py). ``objective = "sft"``: the samples are supervised (their
+        masked tokens' cross-entropy, every sample scored; rewards and advantages unused).
         """
         hot = self.hot[job]
         acc = hot.accumulated
@@ -312,16 +314,21 @@ class PolicyTrainer:
             p.requires_grad_(True)
         if not self.model.training:
             self.model.train()
+        supervised = objective == "sft"
         rewards_B = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         groups_B = torch.tensor([s.group for s in samples])
-        advantages_B = group_advantages(rewards_B, groups_B, settings.scale_by_std)
-        scored = [i for i, a in enumerate(advantages_B.tolist()) if settings.kl_coef > 0 or a != 0]
+        advantages_B = (torch.zeros_like(rewards_B) if supervised
+                        else group_advantages(rewards_B, groups_B, settings.scale_by_std))
+        scored = [i for i, a in enumerate(advantages_B.tolist()) if supervised or settings.kl_coef > 0 or a != 0]
         advantages_B = advantages_B.to(self.device)
         lengths = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in scored]
         for rows in micro_batches(lengths, self.micro_batch_tokens):
             picked = [scored[r] for r in rows]
-            out = self._micro_batch_loss([samples[i] for i in picked], advantages_B[picked], 1.0, settings,
-                                         decoupled)
+            if supervised:
+                out = self._supervised_loss([samples[i] for i in picked], 1.0)
+            else:
+                out = self._micro_batch_loss([samples[i] for i in picked], advantages_B[picked], 1.0, settings,
+                                             decoupled)
             if not torch.isfinite(out.loss):
                 raise NonFiniteUpdate(f"loss is {out.loss.item()} at version {hot.version}")
             if out.loss.requires_grad:  # no masked token in this micro-batch: nothing to backpropagate
@@ -331,14 +338,15 @@ class PolicyTrainer:
                 acc.sums[key] += value
         acc.tokens += float(sum(sum(s.loss_mask) for s in samples))
         acc.tokens_scored += float(sum(sum(samples[i].loss_mask) for i in scored))
-        acc.rewards += [s.reward for s in samples]
+        if not supervised:  # a supervised batch has no reward to report
+            acc.rewards += [s.reward for s in samples]
         acc.groups.update(s.group for s in samples)
 
     def accumulate_gradients(self, job: str, batch: TrajectoryBatch, settings: GrpoSettings) -> dict[str, float]:
         """Set the job's gradients to those of the whole batch's GRPO loss, and return the loss
         and its metrics, without stepping (call with ``lock`` held)."""
         self.begin_batch(job)
-        self.add_groups(job, batch.samples, settings, batch.policy_version)
+        self.add_groups(job, batch.samples, settings, batch.policy_version, batch.objective)
         return self.finish_gradients(job)[0]
 
     def finish_gradients(self, job: str) -> tuple[dict[str, float], Accumulated]:
@@ -392,6 +400,11 @@ class PolicyTrainer:
         logprobs_M_T = self._score(tokens_M_T, mask_M_T, settings.temperature)
         return grpo_loss(logprobs_M_T, sample_lp_M_T, mask_M_T, advantages_M, settings.clip_eps,
                          settings.kl_coef, ref_lp_M_T, total_tokens=total_tokens, decoupled=decoupled)
+
+    def _supervised_loss(self, samples: list[Sample], total_tokens: float) -> GrpoLoss:
+        """These samples' share of a supervised batch's loss (grpo.py's L_sft, scored at tau = 1)."""
+        tokens_M_T, mask_M_T, _ = self._pack(samples)
+        return supervised_loss(self._score(tokens_M_T, mask_M_T, 1.0), mask_M_T, total_tokens=total_tokens)
 
     def _score(self, tokens_B_T: torch.Tensor, mask_B_T: torch.Tensor, temperature: float) -> torch.Tensor:
         """Tempered logprobs of the masked-in tokens (0 elsewhere) under the model as it is set.
@@ -513,6 +526,7 @@ class PolicyTrainer:
             p, c = len(s.prompt_ids), len(s.completion_ids)
             tokens_B_T[i, : p + c] = torch.tensor(rows[i])
             mask_B_T[i, p : p + c] = torch.tensor(s.loss_mask, dtype=torch.float32)
-            sample_lp_B_T[i, p : p + c] = torch.tensor(s.logprobs, dtype=torch.float32)
+            if s.logprobs:  # a supervised sample has none (nothing sampled it)
+                sample_lp_B_T[i, p : p + c] = torch.tensor(s.logprobs, dtype=torch.float32)
         d = self.device
         return tokens_B_T.to(d), mask_B_T.to(d), sample_lp_B_T.to(d)

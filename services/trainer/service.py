@@ -49,6 +49,7 @@ from services.trainer.batch_plan import (
     GroupAction,
     batch_whole,
     may_commit,
+    objective_problem,
     plan_batch,
     plan_group,
     staleness_problem,
@@ -236,7 +237,7 @@ class Trainer:
             if begin:
                 self.policy.begin_batch(committed.job)
                 self.policy.pinned.add(committed.job)  # its gradients must not be evicted half-way
-            self.policy.add_groups(committed.job, batch.samples, spec.grpo, batch.policy_version)
+            self.policy.add_groups(committed.job, batch.samples, spec.grpo, batch.policy_version, batch.objective)
 
     async def _step_and_commit(self, pending: PendingBatch, event: TrajectoryReady, snapshot: JobSnapshot) -> None:
         """The step of a whole pipelined batch, then the commit protocol as for a whole batch."""
@@ -287,7 +288,8 @@ class Trainer:
         record, committed = snapshot.record, snapshot.committed
         batch = await self._batch(event)
         spec = record.spec
-        if problem := staleness_problem(version, batch.policy_version, spec.grpo.max_staleness):
+        if problem := (staleness_problem(version, batch.policy_version, spec.grpo.max_staleness)
+                       or objective_problem(spec.task, batch.objective)):
             await self._fail(job, version, problem)
             return await delivery.term()
         # this attempt's own name: a crash before the commit trains the batch again, and a broker

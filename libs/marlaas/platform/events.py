@@ -213,6 +213,9 @@ class TrajectoryBatch(Wire):
     # the audit compares it with the trainer's own record, independently of the trainer's check
     policy_version: int = -1
     metrics: dict[str, float] = {}  # rollout's per-batch figures (tool calls, turns, tool wait...)
+    # what the samples train: "grpo" (rewards -> group advantages, the clipped policy gradient) or
+    # "sft" (the cross-entropy of the masked tokens: a supervised batch, the same samples otherwise)
+    objective: str = "grpo"
 
 
 class TrajectoryReady(Event, tag="trajectory.ready"):
