@@ -49,6 +49,7 @@ from services.trainer.batch_plan import (
     GroupAction,
     batch_whole,
     may_commit,
+    objective_problem,
     plan_batch,
     plan_group,
     objective_problem,

@@ -143,3 +143,11 @@ def test_a_batch_sampled_too_far_behind_is_refused_with_the_bound_named():
     assert "2 behind: more than grpo.max_staleness = 1" in staleness_problem(5, 3, 1)
     assert "not committed yet" in staleness_problem(5, 6, 2)
     assert staleness_problem(5, -1, 0) == ""  # no sampler recorded: the audit decides
+
+
+def test_a_batch_must_carry_the_objective_its_job_trains():
+    from services.trainer.batch_plan import objective_problem
+
+    assert objective_problem("addition", "grpo") == "" and objective_problem("sft", "sft") == ""
+    assert "which trains 'grpo' batches" in objective_problem("addition", "sft")
+    assert "which trains 'sft' batches" in objective_problem("sft", "grpo")

@@ -1,5 +1,6 @@
 """The GRPO loss: advantages, tempered scoring, micro-batch shares, clipping, KL, gradient direction."""
 
+import pytest
 import torch
 
 from services.trainer.grpo import (
@@ -212,3 +213,16 @@ def test_a_batch_of_the_trained_version_has_the_same_loss_decoupled_or_not():
     a = grpo_loss(logprobs, logprobs.clone(), mask, advantages, clip_eps=0.2)
     b = grpo_loss(logprobs, logprobs.clone(), mask, advantages, clip_eps=0.2, decoupled=True)
     assert torch.allclose(a.loss, b.loss)
+
+
+def test_the_supervised_loss_is_the_masked_mean_nll_and_its_shares_sum():
+    from services.trainer.grpo import supervised_loss
+
+    logprobs = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, -4.0]], requires_grad=True)
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
+    out = supervised_loss(logprobs, mask)
+    assert out.loss.item() == pytest.approx((1.0 + 2.0 + 0.5) / 3)
+    shares = [supervised_loss(logprobs[i:i + 1], mask[i:i + 1], total_tokens=3).loss.item() for i in range(2)]
+    assert sum(shares) == pytest.approx(out.loss.item())
+    out.loss.backward()
+    assert torch.equal(logprobs.grad, -mask.float() / 3)

@@ -69,6 +69,32 @@ def test_grpo_steps_raise_the_rewarded_completion(base_dir, v0):
 
 
 
+def test_a_supervised_batch_trains_the_masked_cross_entropy_on_the_same_path(base_dir, v0):
+    """``objective = "sft"``: the same samples, packing and step; the loss is the masked tokens'
+    mean negative log-likelihood at T = 1 (computed by hand here on a two-row batch, with a
+    masked-out token in each row), rewards and sampling logprobs unused, and steps raise it."""
+    trainer = PolicyTrainer(base_dir)
+    trainer.load("t.sft", 0, *v0, None, SETTINGS)
+    rows = [([10, 11, 5, 6, 7], [0, 0, 1, 0, 1]), ([12, 8, 9], [0, 1, 1])]
+    data = TrajectoryBatch(objective="sft", samples=[
+        Sample(group=i, prompt_ids=[], completion_ids=ids, logprobs=[], loss_mask=mask, reward=0.0)
+        for i, (ids, mask) in enumerate(rows)])
+    trainer.model.set_adapter(trainer.hot["t.sft"].slot)
+    picked = []
+    with torch.no_grad():
+        for ids, mask in rows:
+            logp = torch.log_softmax(trainer.model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+            picked += [logp[t - 1, ids[t]].item() for t in range(1, len(ids)) if mask[t]]
+    by_hand = -sum(picked) / len(picked)  # 4 masked tokens over the batch
+
+    first = trainer.train_step("t.sft", data, SETTINGS)
+    assert first.metrics["loss"] == pytest.approx(by_hand, rel=1e-4)
+    assert first.metrics["tokens"] == 4 and "reward/mean" not in first.metrics
+    for _ in range(4):
+        last = trainer.train_step("t.sft", data, SETTINGS)
+    assert last.metrics["loss"] < first.metrics["loss"]
+
+
 def test_a_batch_whose_every_episode_was_dropped_still_steps_without_a_reward(base_dir, v0):
     """grpo.truncated = "drop" can leave a version no sample: the step commits with no gradient
     and no reward figure (the manager records rewards only where there is one)."""
