@@ -124,6 +124,52 @@ class ConversationFormat:
             ids += self.markup_ids(after[cut:])
         return ids
 
+    def _content_ids(self, content: str, after: str) -> list[int]:
+        """An untrusted content and the markup after it: the content escaped (no forged special
+        token or tool tag) and tokenized with the markup up to its next special token (BPE merges
+        across that boundary as in the whole text), then the rest of the markup."""
+        cut = min((at for token in self.tokenizer.all_special_tokens if (at := after.find(token)) >= 0),
+                  default=len(after))
+        ids = self.tokenizer(escape_result(content) + after[:cut], add_special_tokens=False,
+                             split_special_tokens=True)["input_ids"]
+        return ids + self.markup_ids(after[cut:])
+
+    def conversation_ids(self, messages: list[dict], tools: list[ToolSpec], *,
+                         system: str | None = None) -> tuple[list[int], list[int]]:
+        """A whole conversation (the ``sft`` task's rows: transformers' chat format, assistant
+        ``tool_calls`` and ``tool`` results included) as ids, and a loss mask over them: 1 on the
+        assistant's tokens (its text and its calls, each turn up to and including its end-of-turn
+        token, as the model writes them), 0 on everything else. The tools are described in the
+        system turn as in an episode's prompt (:meth:`prompt_ids`)."""
+        if not self.chat:
+            raise ValueError("supervised conversations need the base model's chat template "
+                             "(rollout.prompt_format = 'chat' or 'auto' with a template)")
+        if system and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": system}, *messages]
+        end = self.tokenizer.eos_token
+        schemas = [t.function_schema(tool_name(t, tools)) for t in tools]
+        placeholders = [{**{k: v for k, v in m.items() if k in ("role", "tool_calls")}, "content": "\x00"}
+                        for m in messages]
+        rendered = self.tokenizer.apply_chat_template(placeholders, tools=schemas or None, tokenize=False)
+        markup = rendered.split("\x00")
+        if len(markup) != len(messages) + 1:
+            raise ValueError(f"the chat template wrote {len(markup) - 1} of {len(messages)} messages' contents")
+        ids, mask = self.markup_ids(markup[0]), []
+        mask = [0] * len(ids)
+        for message, after in zip(messages, markup[1:]):
+            content = message.get("content") or ""
+            if message["role"] != "assistant":
+                piece = self._content_ids(content, after)
+                ids, mask = ids + piece, mask + [0] * len(piece)
+                continue
+            at = after.find(end)
+            if at < 0:
+                raise ValueError(f"the chat template does not end an assistant turn with {end!r}")
+            turn = self._content_ids(content, after[:at + len(end)])  # the model's own: trained
+            rest = self.markup_ids(after[at + len(end):])
+            ids, mask = ids + turn + rest, mask + [1] * len(turn) + [0] * len(rest)
+        return ids, mask
+
     def observation_ids(self, result: str, max_tokens: int) -> list[int]:
         """The observation after a call: the result, tags defused, cut to ``max_tokens`` with a marker.
 

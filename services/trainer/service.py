@@ -52,7 +52,6 @@ from services.trainer.batch_plan import (
     objective_problem,
     plan_batch,
     plan_group,
-    objective_problem,
     staleness_problem,
 )
 from services.trainer.policy import NonFiniteUpdate, PolicyTrainer, StepResult, torch_threads
