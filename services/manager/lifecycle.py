@@ -194,6 +194,8 @@ def progressed(record: JobRecord, event: PolicyCommitted) -> JobRecord | None:
         for key, value in event.metrics.items():
             if key.startswith(AGENT_METRICS) or (stale and key == "staleness"):
                 metrics.setdefault(key, []).append(value)
+    if event.version >= 1 and record.spec.task == "sft" and "loss" in event.metrics:  # no reward: its loss
+        metrics.setdefault("loss", []).append(event.metrics["loss"])
     first = record.first_commit_at or (event.committed_at if event.version == 1 else 0.0)
     return msgspec.structs.replace(record, version=event.version, rewards=rewards, metrics=metrics,
                                    first_commit_at=first, last_commit_at=event.committed_at)

@@ -28,6 +28,7 @@ import msgspec
 from marlaas.platform import api, limits
 from marlaas.platform.events import PIPELINE_MODES, TRUNCATED_MODES, GrpoSettings, JobRecord, JobSpec
 from marlaas.tasks import TaskError
+from marlaas.tasks.sft import steps_for_epochs
 from marlaas.tools.registry import BUILTIN_REWARDS, ToolNameError, split_qualified
 from services.manager.admission import job_footprint
 from services.manager.sizing import longest_prompt_tokens, prompts_refusal, system_refusal
@@ -54,6 +55,7 @@ class StackFacts:
 def field_problems(request: api.SubmitRequest, facts: StackFacts) -> list[str]:
     """Every problem with the submission's fields alone (no data read), in a fixed order."""
     grpo, lora = request.grpo, request.lora
+    supervised = request.task == "sft"
     system_too_long = system_refusal(request.system, facts.max_model_len, facts.token_chars)
     unknown_targets = sorted(set(lora.target_modules) - facts.lora_targets)
     problems = [
@@ -68,8 +70,17 @@ def field_problems(request: api.SubmitRequest, facts: StackFacts) -> list[str]:
          f"seed must be between 0 and {limits.MAX_JOB_SEED} (2**63 - 1)"),
         (not 1 <= grpo.prompts_per_step <= limits.MAX_PROMPTS_PER_STEP,
          f"grpo.prompts_per_step must be between 1 and {limits.MAX_PROMPTS_PER_STEP}"),
-        (not 2 <= grpo.group_size <= limits.MAX_GROUP_SIZE, f"grpo.group_size must be at least 2 and at most "
-         f"{limits.MAX_GROUP_SIZE} (GRPO compares samples in a group)"),
+        (not supervised and not 2 <= grpo.group_size <= limits.MAX_GROUP_SIZE, f"grpo.group_size must be at "
+         f"least 2 and at most {limits.MAX_GROUP_SIZE} (GRPO compares samples in a group)"),
+        (supervised and not 1 <= request.sft.batch_size <= limits.MAX_PROMPTS_PER_STEP,
+         f"sft.batch_size must be between 1 and {limits.MAX_PROMPTS_PER_STEP} (conversations a step)"),
+        (supervised and not 0 <= request.sft.epochs <= limits.MAX_SFT_EPOCHS,
+         f"sft.epochs must be between 0 and {limits.MAX_SFT_EPOCHS} (0: the job's steps as given)"),
+        (supervised and (grpo.max_staleness or grpo.pipeline != "batch"),
+         "an sft job trains the tenant's conversations, nothing is sampled: drop grpo.max_staleness and "
+         "grpo.pipeline"),
+        (supervised and bool(request.eval_every), "an sft job reports its training loss, it has no reward to "
+         "evaluate with: drop eval_every (evaluate the adapter in an RL job started from it, init_from)"),
         (not limits.MIN_TEMPERATURE <= grpo.temperature <= limits.MAX_TEMPERATURE,
          f"grpo.temperature must be in [{limits.MIN_TEMPERATURE}, {limits.MAX_TEMPERATURE}] (sampling is "
          "random; the trainer scores the same tempered policy)"),
@@ -111,13 +122,15 @@ def tool_problem(request: api.SubmitRequest, task, tools: tuple[str, ...]) -> st
     tasks, each a valid name in ``builtin`` or the submitter's namespace, and a reward where the
     task has none of its own."""
     tenant = request.tenant
-    if tools and task.kind != "agentic":
+    if tools and task.kind == "single-turn":
         return (f"task {task.name!r} is single-turn: it cannot call tools; drop 'tools' "
                 "or choose an agentic task (`marlaas tasks`)")
     if task.needs_tools and not tools:
         return (f"task {task.name!r} needs 'tools': the tools the model may call, at least one "
                 f"(built-in ones by name, your own as '{tenant}.<name>')")
-    if not task.has_reward and not request.reward:
+    if task.kind == "supervised" and request.reward:
+        return f"task {task.name!r} trains on your conversations: it takes no reward; drop 'reward'"
+    if not task.has_reward and not request.reward and task.kind != "supervised":
         return (f"task {task.name!r} needs 'reward': a built-in one "
                 f"({', '.join(BUILTIN_REWARDS)}) or your own '{tenant}.<name>'")
     for name in (*tools, *([request.reward] if "." in request.reward else [])):
@@ -132,6 +145,18 @@ def tool_problem(request: api.SubmitRequest, task, tools: tuple[str, ...]) -> st
         return (f"reward {request.reward!r}: name your reward function as "
                 f"'{tenant}.<name>', or a built-in one ({', '.join(BUILTIN_REWARDS)}); "
                 "the task's own reward needs no 'reward' field")
+    return ""
+
+
+def calls_problem(task, tools: tuple[str, ...], dataset: str | None) -> str:
+    """Why an ``sft`` dataset's tool calls do not suit the job's tools ("" = they do): each call
+    must name one of them as the model is shown it (bare, or qualified when two share a name)."""
+    shown = {name.rpartition(".")[2] for name in tools} | set(tools)
+    for line, name in task.called_tools():
+        if name not in shown:
+            known = ", ".join(sorted(shown)) or "none (add 'tools' to the job)"
+            return (f"{dataset}:{line}: a call names tool {name!r}, which the job does not name in 'tools' "
+                    f"(it names: {known}); add it to 'tools' or fix the row")
     return ""
 
 
@@ -183,7 +208,7 @@ def build_spec(request: api.SubmitRequest, grpo: GrpoSettings, tools: tuple[str,
                    dataset=request.dataset, corpus=request.corpus, tools=tools,
                    eval_every=request.eval_every, eval_problems=request.eval_problems,
                    eval_dataset=request.eval_dataset, reward=request.reward, system=request.system,
-                   grpo=grpo, lora=request.lora, submitted_at=now)
+                   grpo=grpo, lora=request.lora, sft=request.sft, submitted_at=now)
 
 
 def _refuse(problem: str) -> None:
@@ -198,6 +223,8 @@ def job_record(request: api.SubmitRequest, task, facts: StackFacts, count_tokens
     grpo = msgspec.structs.replace(request.grpo, max_new_tokens=request.grpo.max_new_tokens or task.max_new_tokens)
     tools = tuple(request.tools) if request.tools is not None else task.tools
     _refuse(tool_problem(request, task, tools))
+    if task.kind == "supervised":
+        return supervised_record(request, task, grpo, tools, facts, count_tokens, now)
     _refuse(generation_problem(grpo.max_new_tokens, facts.max_model_len))
     prompts = task.longest_prompts()
     _refuse(prompts_refusal(prompts, facts.max_model_len, facts.token_chars))
@@ -207,6 +234,26 @@ def job_record(request: api.SubmitRequest, task, facts: StackFacts, count_tokens
     footprint = kv_footprint(grpo, prompt_tokens, episode_tokens, facts.kv_bytes_per_token)
     _refuse(footprint_problem(footprint, facts.kv_budget_bytes))
     return JobRecord(spec=build_spec(request, grpo, tools, now), kv_cache_bytes=footprint)
+
+
+def supervised_record(request: api.SubmitRequest, task, grpo: GrpoSettings, tools: tuple[str, ...],
+                      facts: StackFacts, count_tokens: CountTokens, now: float) -> JobRecord:
+    """The queued record of an ``sft`` job: its calls name its tools, each conversation fits the
+    context (characters first, then tokens), and ``sft.epochs`` (when set) gives its steps. It
+    generates nothing: no KV cache to reserve."""
+    _refuse(calls_problem(task, tools, request.dataset))
+    texts = task.longest_prompts()
+    _refuse(prompts_refusal(texts, facts.max_model_len, facts.token_chars))
+    for row, tokens in zip(task.rows, count_tokens(texts)):
+        if tokens > facts.max_model_len:
+            _refuse(f"{request.dataset}:{row['_line']}: the conversation is {tokens} tokens, more than "
+                    f"rollout.max_model_len ({facts.max_model_len}); shorten it or split it in two")
+    steps = request.steps
+    if request.sft.epochs:
+        steps = min(steps_for_epochs(len(task.rows), request.sft.epochs, request.sft.batch_size), limits.MAX_STEPS)
+    grpo = msgspec.structs.replace(grpo, group_size=1, prompts_per_step=request.sft.batch_size)
+    spec = msgspec.structs.replace(build_spec(request, grpo, tools, now), steps=steps)
+    return JobRecord(spec=spec, kv_cache_bytes=0)
 
 
 def validate_submission(request: api.SubmitRequest, facts: StackFacts, load_task: LoadTask,

@@ -38,6 +38,7 @@ from marlaas.platform.events import (
     PolicyCommitted,
     RewardItem,
     RewardRequest,
+    Sample,
     Span,
     TrajectoryBatch,
     TrajectoryReady,
@@ -282,7 +283,9 @@ class Rollout:
         it is due."""
         job, version = spec.id, event.version
         async with delivery.keep_alive():
-            if self.rounds is None and pipelined(spec.grpo):  # each group published as it is scored
+            if self.task_of(spec).kind == "supervised":  # nothing to generate: the tenant's conversations
+                batch = await self.supervised_batch(spec, step)
+            elif self.rounds is None and pipelined(spec.grpo):  # each group published as it is scored
                 batch = await self.sample_groups(spec, event, step)
             elif self.rounds is None:
                 batch = await self.sample_batch(spec, event, step)
@@ -423,6 +426,27 @@ class Rollout:
                                 "the batch is not published")
         return TrajectoryBatch(samples=samples, policy_version=self.engine.served_version(spec.id, lora),
                                metrics=metrics)
+
+    async def supervised_batch(self, spec: JobSpec, step: int) -> TrajectoryBatch:
+        """An ``sft`` job's batch of ``step``: its rows of that step (``Sft.rows_for_step``), each
+        rendered with the chat template and the job's tools, the loss mask on the assistant's
+        tokens, cut to ``rollout.max_model_len``; one supervised sample a row (no engine work)."""
+        task, max_len = self.task_of(spec), self.config.rollout.max_model_len
+        rows = task.rows_for_step(step, spec.sft.batch_size, spec.seed)
+
+        def render() -> list[Sample]:
+            samples = []
+            for i, row in enumerate(rows):
+                ids, mask = self.format.conversation_ids(row["messages"], list(spec.tool_specs),
+                                                         system=spec.system or None)
+                samples.append(Sample(group=i, prompt_ids=[], completion_ids=ids[:max_len], logprobs=[],
+                                      loss_mask=mask[:max_len], reward=0.0))
+            return samples
+
+        async with span(self.bus, SERVICE, "render", spec.id, step, rows=len(rows)) as attrs:
+            samples = await asyncio.to_thread(render)  # tokenizing is CPU work: off the event loop
+            attrs["tokens"] = sum(sum(s.loss_mask) for s in samples)
+        return TrajectoryBatch(samples=samples, policy_version=step, objective="sft")
 
     async def sample_groups(self, spec: JobSpec, event: PolicyCommitted, step: int) -> TrajectoryBatch | None:
         """``grpo.pipeline = "groups"``: sample the version's batch as :meth:`sample_batch` does, but

@@ -498,3 +498,37 @@ def test_old_versions_and_orphans_are_garbage_collected(stack):
         assert time.monotonic() < deadline, (versions("adapters"), versions("optimizer"))
         time.sleep(0.5)
     assert all(len(list((store / "adapters" / view.id / v).iterdir())) == 1 for v in versions("adapters"))
+
+
+def test_an_sft_job_trains_the_assistants_tokens_through_the_same_loop(stack, tmp_path):
+    """``task = "sft"``: the tenant's conversations go through the RL loop's own path (announce,
+    a batch on the trajectory stream, the trainer's step, commit): versions 0..N exactly once,
+    the loss recorded per version falls, and a bad row is refused at submission with its line."""
+    words = ["amber", "cobalt", "dune", "ember", "fjord", "glade", "heron", "ivory", "jade", "kelp", "lumen", "moss"]
+    data = tmp_path / "echo.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "system", "content": "Repeat the word."}, {"role": "user", "content": w},
+        {"role": "assistant", "content": f"{w} {w}"}]}) + "\n" for w in words))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(data.read_text().splitlines()[0] + "\n" + json.dumps({"messages": [
+        {"role": "user", "content": "hi"}]}) + "\n")
+
+    async def go():
+        client = await BusClient.connect(stack.nats_url)
+        with pytest.raises(ApiError) as refused:
+            await client.submit({"name": "bad-sft", "task": "sft", "dataset": str(bad), "steps": 2})
+        job = await client.submit({"name": "echo-sft", "task": "sft", "dataset": str(data), "steps": 1,
+                                   "sft": {"batch_size": 4, "epochs": 3}, "grpo": {"learning_rate": 5e-3}})
+        (view,) = await client.wait([job], timeout_s=300)
+        await client.close()
+        return str(refused.value), view
+
+    refusal, view = run(go())
+    assert "bad.jsonl:2: " in refusal and "no assistant turn" in refusal, refusal
+    assert view.state == "completed" and view.version == 9, view  # 12 rows x 3 epochs / 4 a step
+    losses = view.metrics["loss"]
+    print(f"\nsft loss per version: {[round(x, 3) for x in losses]}")
+    assert len(losses) == 9 and losses[-1] < 0.8 * losses[0], losses
+    assert run(committed_versions(stack.nats_url))[view.id] == list(range(10))
+    spans = run(all_spans(stack.nats_url))
+    assert audit_training([s for s in spans if s.job == view.id]) == []

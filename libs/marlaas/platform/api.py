@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from marlaas.platform.events import EvalPoint, GrpoSettings, JobRecord, LoraSettings
+from marlaas.platform.events import EvalPoint, GrpoSettings, JobRecord, LoraSettings, SftSettings
 from marlaas.platform.tinker_records import TinkerModel, TinkerSession
 
 # reply codes: what kind of refusal an ``error`` is
@@ -57,6 +57,7 @@ class SubmitRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     eval_dataset: str | None = None  # held-out JSONL for dataset tasks
     grpo: GrpoSettings = msgspec.field(default_factory=GrpoSettings)
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
+    sft: SftSettings = msgspec.field(default_factory=SftSettings)  # the ``sft`` task's batch size and epochs
     # the same key (per tenant) answers the same job: a client retrying a submission whose answer it
     # never got does not submit twice (the SDK sends one per submit; HTTP: the Idempotency-Key header)
     idempotency_key: str = ""
@@ -73,8 +74,8 @@ def _check_keys(tree: Any, type_: type, where: str) -> None:
                               "distribution, so only grpo.temperature may shape sampling")
         if key not in fields:
             raise SubmitError(f"unknown field '{where}{key}'; known fields: {', '.join(sorted(fields))}")
-        if key in ("grpo", "lora"):
-            _check_keys(value, GrpoSettings if key == "grpo" else LoraSettings, f"{key}.")
+        if key in ("grpo", "lora", "sft"):
+            _check_keys(value, {"grpo": GrpoSettings, "lora": LoraSettings, "sft": SftSettings}[key], f"{key}.")
 
 
 def parse_submission(tree: dict) -> SubmitRequest:

@@ -39,3 +39,5 @@ def cut(text: str, limit: int = MAX_ERROR_CHARS) -> str:
         return text
     marker = f" ... [{len(text) - limit} more characters cut]"
     return text[:max(limit - len(marker), 0)] + marker
+
+MAX_SFT_EPOCHS = 1000  # times an sft job goes through its conversations

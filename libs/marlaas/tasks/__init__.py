@@ -10,7 +10,8 @@ from marlaas.tasks.search_qa import SearchQa
 from marlaas.tasks.sft import Sft
 from marlaas.tasks.toy import Addition, Repeat, Reverse
 
-REGISTRY: dict[str, type[Task]] = {t.name: t for t in (Addition, Reverse, Repeat, Multiply, Gsm8k, SearchQa, Agent, Sft)}
+REGISTRY: dict[str, type[Task]] = {
+    t.name: t for t in (Addition, Reverse, Repeat, Multiply, Gsm8k, SearchQa, Agent, Sft)}
 
 
 def get_task(name: str, dataset: str | None = None, corpus: str | None = None) -> Task:
