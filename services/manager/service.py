@@ -19,6 +19,7 @@ This module wires the manager's parts to the bus; each concern has its own modul
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -62,6 +63,7 @@ from services.manager.sizing import max_token_chars
 from services.manager.tinker_sessions import TinkerQuotas, sweep_tinker_sessions
 from services.manager.validation import StackFacts, validate_submission
 from services.manager.validation import job_id as job_id  # re-exported: tests import it here
+from services.manager.warm_start import lora_of, resolve_init
 
 log = structlog.get_logger("manager")
 GC_EVERY = 5  # versions between garbage collections of a job's stored objects
@@ -189,6 +191,8 @@ class Manager:
             if refusal := await size_refusal(self.bus, record.spec):
                 raise api.SubmitError(refusal)
             await self.check_reward_served(record.spec)
+            warm = (await resolve_init(self.bus, self.store, record.spec.tenant, record.spec.init_from)
+                    if record.spec.init_from else None)
         except (api.SubmitError, msgspec.DecodeError) as exc:
             return api.SubmitReply(error=str(exc), code=api.INVALID)
         spec = record.spec
@@ -200,6 +204,11 @@ class Manager:
                                           slots=lora_slots(spec))
             if refusal:
                 return api.SubmitReply(error=refusal, code=api.QUOTA)
+            if warm is not None:  # version 0 is the source's weights, copied now (it may be collected later)
+                config_json, weights = warm
+                blob = await asyncio.to_thread(write_adapter, self.store, spec.id, 0, config_json, weights)
+                spec = msgspec.structs.replace(spec, lora=lora_of(config_json), init_adapter=blob)
+                record = msgspec.structs.replace(record, spec=spec)
             try:
                 await self.jobs.create(record)
             except Exception as exc:  # the broker refused or lost the write: the user must hear it
@@ -257,6 +266,10 @@ class Manager:
 
     async def admit(self, spec: JobSpec) -> None:
         """Commit version 0 (seeded LoRA init), then mark the job running."""
+        if await self.bus.kv_get(VERSIONS_BUCKET, spec.id) is None and spec.init_adapter is not None:
+            v0 = CommittedVersion(job=spec.id, version=0, adapter=spec.init_adapter, committed_at=time.time())
+            with contextlib.suppress(StaleRevision):  # a previous manager run committed v0 already
+                await self.bus.kv_create(VERSIONS_BUCKET, spec.id, encode(v0))
         if await self.bus.kv_get(VERSIONS_BUCKET, spec.id) is None:
             try:
                 config_json, weights = await asyncio.to_thread(init_adapter, self.model_dir, spec.lora,

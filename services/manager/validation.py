@@ -208,7 +208,8 @@ def build_spec(request: api.SubmitRequest, grpo: GrpoSettings, tools: tuple[str,
                    dataset=request.dataset, corpus=request.corpus, tools=tools,
                    eval_every=request.eval_every, eval_problems=request.eval_problems,
                    eval_dataset=request.eval_dataset, reward=request.reward, system=request.system,
-                   grpo=grpo, lora=request.lora, sft=request.sft, submitted_at=now)
+                   grpo=grpo, lora=request.lora, sft=request.sft, init_from=request.init_from,
+                   submitted_at=now)
 
 
 def _refuse(problem: str) -> None:

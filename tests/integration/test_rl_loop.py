@@ -520,7 +520,24 @@ def test_an_sft_job_trains_the_assistants_tokens_through_the_same_loop(stack, tm
         job = await client.submit({"name": "echo-sft", "task": "sft", "dataset": str(data), "steps": 1,
                                    "sft": {"batch_size": 4, "epochs": 3}, "grpo": {"learning_rate": 5e-3}})
         (view,) = await client.wait([job], timeout_s=300)
+        # a warm start: an RL job's version 0 is the sft job's last version; another tenant's refused
+        with pytest.raises(ApiError) as foreign:
+            await client.submit({"name": "thief", "task": "reverse", "steps": 1, "tenant": "other",
+                                 "init_from": f"{job}@latest"})
+        with pytest.raises(ApiError) as no_such:
+            await client.submit({"name": "rl", "task": "reverse", "steps": 1, "init_from": f"{job}@12"})
+        rl = await client.submit({"name": "rl-after-sft", "task": "reverse", "steps": 1, "seed": 4,
+                                  "init_from": job.split(".", 1)[1] + "@latest"})  # the id without the tenant
+        (after,) = await client.wait([rl], timeout_s=300)
+        firsts = {}
+        for name in (job, rl):
+            firsts[name] = [POLICY.decode(d) for d in await client.bus.read_all(
+                "POLICY", f"marlaas.policy.committed.{name}")]
         await client.close()
+        assert "no job" in str(foreign.value) and "has no version 12" in str(no_such.value)
+        assert after.state == "completed", after
+        assert firsts[rl][0].adapter.sha256 == firsts[job][-1].adapter.sha256  # v0 = the sft job's v9
+        assert firsts[rl][0].adapter.uri != firsts[job][-1].adapter.uri  # a copy: its own to collect
         return str(refused.value), view
 
     refusal, view = run(go())

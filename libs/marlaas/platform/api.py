@@ -58,6 +58,7 @@ class SubmitRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     grpo: GrpoSettings = msgspec.field(default_factory=GrpoSettings)
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
     sft: SftSettings = msgspec.field(default_factory=SftSettings)  # the ``sft`` task's batch size and epochs
+    init_from: str = ""  # version 0 from another of your jobs: "JOB@VERSION" or "JOB@latest"
     # the same key (per tenant) answers the same job: a client retrying a submission whose answer it
     # never got does not submit twice (the SDK sends one per submit; HTTP: the Idempotency-Key header)
     idempotency_key: str = ""

@@ -110,10 +110,10 @@ class JobSpec(Wire):
     grpo: GrpoSettings = msgspec.field(default_factory=GrpoSettings)
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
     sft: SftSettings = msgspec.field(default_factory=SftSettings)
-    # where version 0 comes from ("" = a fresh adapter): "JOB@VERSION" / "JOB@latest" (a job of the
-    # same tenant), "tinker://..." (a Tinker checkpoint of the same tenant) or an uploaded adapter
-    # ("file-..."); resolved at submission into ``init_adapter``
+    # where version 0 comes from ("" = a fresh adapter): "JOB@VERSION" / "JOB@latest", a job of the
+    # same tenant (services/manager/warm_start.py); resolved at submission into ``init_adapter``
     init_from: str = ""
+    init_adapter: Blob | None = None  # version 0's weights, copied from the source at submission
     submitted_at: float = 0.0
 
 
