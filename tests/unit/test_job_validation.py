@@ -197,3 +197,45 @@ def test_an_idempotency_key_gives_the_same_job_id_and_none_a_fresh_one():
     assert validation.job_id("acme", "run", "k1") != validation.job_id("zeta", "run", "k1").replace("zeta", "acme")
     assert validation.job_id("acme", "run") != validation.job_id("acme", "run")
     assert validation.job_id("acme", "run", "k1").startswith("acme.run-")
+
+
+# --- sft jobs ---------------------------------------------------------------------------------
+
+
+def sft_rows(tmp_path, *calls: str) -> str:
+    import json
+
+    path = tmp_path / "sft.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "capital of Zarvex?"},
+                          {"role": "assistant", "tool_calls": [
+                              {"type": "function", "function": {"name": name, "arguments": {"country": "Zarvex"}}}]},
+                          {"role": "tool", "content": "Quorrin"}, {"role": "assistant", "content": "Quorrin"}]}
+            for name in calls]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"sft": {"batch_size": 0}}, "sft.batch_size must be between 1"),
+    ({"sft": {"epochs": -1}}, "sft.epochs must be between 0"),
+    ({"grpo": {"max_staleness": 1}}, "nothing is sampled: drop grpo.max_staleness"),
+    ({"eval_every": 2}, "drop eval_every"),
+])
+def test_an_sft_jobs_own_bounds(fields, message):
+    problems = validation.field_problems(submission(task="sft", **fields), FACTS)
+    assert any(message in p for p in problems), problems
+
+
+def test_an_sft_job_takes_its_steps_from_epochs_and_needs_no_group(tmp_path):
+    data = sft_rows(tmp_path, *["zorbleck_capital"] * 6)
+    request = submission(task="sft", dataset=data, tools=["acme.zorbleck_capital"], sft={"batch_size": 4, "epochs": 2})
+    assert validation.field_problems(request, FACTS) == []
+    record = validation.job_record(request, get_task("sft", data), FACTS, words, now=0.0)
+    assert record.spec.steps == 3 and record.spec.grpo.prompts_per_step == 4 and record.kv_cache_bytes == 0
+
+
+def test_an_sft_row_calling_a_tool_the_job_does_not_name_is_refused_with_its_line(tmp_path):
+    data = sft_rows(tmp_path, "zorbleck_capital", "zorbleck_moons")
+    request = submission(task="sft", dataset=data, tools=["acme.zorbleck_capital"])
+    with pytest.raises(SubmitError, match=r"sft.jsonl:2: a call names tool 'zorbleck_moons'.*add it to 'tools'"):
+        validation.job_record(request, get_task("sft", data), FACTS, words, now=0.0)
