@@ -169,7 +169,7 @@ def job_info(record: JobRecord, queue_position: int | None = None) -> JobInfo:
         metrics=record.metrics, evals=[EvalInfo(version=e.version, score=e.score) for e in record.evals],
         queue_position=queue_position if record.state is JobState.QUEUED else None,
         pinned=list(record.pinned), submitted_at=spec.submitted_at,
-        finished_at=record.finished_at or None, warnings=dict(record.warnings),
+        finished_at=record.finished_at or None, warnings=dict(record.warnings), followed_by=record.followed_by,
     )
 
 

@@ -141,6 +141,8 @@ def data_fields(tree: dict, allow_paths_under: str = "") -> dict:
                 f"the JSONL with POST /v1/files (it answers {{\"id\": \"file-...\"}}) and set {key} = "
                 '"file-...", or let `marlaas submit` / the SDK upload a local file for you'))
         tree = {**tree, key: str(resolved)}
+    if isinstance(tree.get("then"), dict):  # a follow-up's data are checked as its own job's are
+        tree = {**tree, "then": data_fields(tree["then"], allow_paths_under)}
     return tree
 
 

@@ -151,10 +151,20 @@ class Manager:
         (``validation.validate_submission``).
 
         It reads the job's data and tokenizes its prompts: :meth:`submit` runs it in a thread."""
-        def load_task(dataset: str | None):  # a file id is looked up among the submitting tenant's files only
-            return self.files.task(request.tenant, request.task, dataset, request.corpus)
+        def check(request: api.SubmitRequest) -> JobRecord:
+            def load_task(dataset: str | None):  # a file id is looked up among the submitting tenant's files only
+                return self.files.task(request.tenant, request.task, dataset, request.corpus)
 
-        return validate_submission(request, self.facts, load_task, self.count_tokens, time.time())
+            return validate_submission(request, self.facts, load_task, self.count_tokens, time.time())
+
+        record, follow, where = check(request), request, "then"
+        while (follow := api.follow_up(follow, where)) is not None:  # each follow-up is checked now, not later
+            try:
+                check(follow)
+            except api.SubmitError as exc:
+                raise api.SubmitError(f"{where}: {exc}") from None
+            where += ".then"
+        return record
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Each text's tokens (no special tokens added), one batch call: a fast tokenizer counts
@@ -290,6 +300,21 @@ class Manager:
         await self.jobs.transition(spec.id, JobState.RUNNING, admitted_at=time.time())
         log.info("job admitted", job=spec.id)
 
+    async def start_follow_up(self, spec: JobSpec) -> None:
+        """Submit the job ``spec.then`` describes, from ``spec``'s last version, and note it in the
+        finished job's record (its id, or why it was refused). A repeat (a redelivered last commit)
+        answers the same job: the submission's idempotency key is the finished job's."""
+        tree = api.follow_up_tree(msgspec.json.decode(spec.then), spec.tenant, spec.id)
+        reply = await self.submit(msgspec.json.encode(tree))
+        if reply.id:
+            log.info("follow-up job started", job=spec.id, follow_up=reply.id)
+            await self.jobs.update(spec.id, lambda r: None if r.followed_by == reply.id else
+                                   msgspec.structs.replace(r, followed_by=reply.id))
+        else:
+            log.warning("follow-up job refused", job=spec.id, error=reply.error)
+            reason = f"its follow-up ('then') was not started: {reply.error}"
+            await self.jobs.update(spec.id, lambda r: msgspec.structs.replace(r, reason=reason))
+
     # --- commits and job events ---------------------------------------------------------------
 
     async def on_policy(self, delivery: Delivery) -> None:
@@ -300,6 +325,8 @@ class Manager:
         last = record is not None and record.version >= record.spec.steps
         if last:
             await self.jobs.transition(event.job, JobState.COMPLETED)
+            if record.spec.then and not record.followed_by:
+                await self.start_follow_up(record.spec)
         # collect every few versions (each pass re-reads the job's announcements) and at the end
         if record is None or not (last or event.version % GC_EVERY == 0):
             return

@@ -224,6 +224,11 @@ def submission_from_args(args) -> dict:
     missing = [k for k in ("task", "steps") if k not in job]
     if missing:
         raise ValueError(f"missing {' and '.join(missing)}: give a job file or --task NAME --steps N")
+    if getattr(args, "then", None):  # the follow-up, started from this job's last version when it completes
+        try:
+            job["then"] = read_job_file(args.then)
+        except BadRequest as exc:
+            raise ValueError(f"--then: {exc}") from None
     job.setdefault("name", job["task"])
     for key in PATH_FIELDS:  # local files, uploaded at submit: a job file's paths are relative to
         if isinstance(job.get(key), str) and not is_file_id(job[key]):  # it, flags' and --set's to here
@@ -271,6 +276,8 @@ def status_table(views):
         state = v.state + (f" ({v.reason})" if v.reason else "")
         if v.queue_position is not None:
             state += f" #{v.queue_position}"
+        if v.followed_by:
+            state += f", then {v.followed_by}"
         if v.warnings:  # a tool or reward that stopped answering: named here, the detail in --json
             state += " [not answering: " + ", ".join(sorted(v.warnings)) + "]"
         table.add_row(  # a reason or warning is text, never rich markup ("[x]" would vanish)
@@ -547,6 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "judge, or your own function (TENANT.NAME); the agent task needs one")
     p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
                    help="override a setting, e.g. --set grpo.learning_rate=1e-3")
+    p.add_argument("--then", metavar="JOB.toml", help="a job file to submit when this job completes, starting "
+                   "from its last version (e.g. an RL job after an sft job): the job's 'then' field")
     command("list", cmd_list, "list your jobs")
     p = command("status", cmd_status, "show your jobs (all, or one)")
     p.add_argument("job", nargs="?")

@@ -14,6 +14,7 @@ validated by the manager against the running stack.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import msgspec
@@ -28,6 +29,8 @@ NOT_FOUND = "not_found"  # no such job for this tenant (another tenant's job rea
 FINISHED = "finished"  # the job already ended: it cannot be cancelled
 UNAVAILABLE = "unavailable"  # the broker or store failed while recording it: nothing was created; retry
 MAX_IDEMPOTENCY_KEY_CHARS = 128
+MAX_THEN_CHAIN = 4  # a job's follow-ups ("then"), each starting when the one before completes
+SET_FOR_FOLLOW_UPS = ("tenant", "init_from", "idempotency_key")
 
 
 # sampling settings vLLM has but the trainer could not reproduce when it scores a batch
@@ -59,6 +62,8 @@ class SubmitRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
     sft: SftSettings = msgspec.field(default_factory=SftSettings)  # the ``sft`` task's batch size and epochs
     init_from: str = ""  # version 0 from another of your jobs: "JOB@VERSION" or "JOB@latest"
+    # a job to submit when this one completes, from its last version (``init_from`` set for it)
+    then: dict[str, Any] | None = None
     # the same key (per tenant) answers the same job: a client retrying a submission whose answer it
     # never got does not submit twice (the SDK sends one per submit; HTTP: the Idempotency-Key header)
     idempotency_key: str = ""
@@ -70,22 +75,53 @@ def _check_keys(tree: Any, type_: type, where: str) -> None:
         return
     fields = {f.name: f for f in msgspec.structs.fields(type_)}
     for key, value in tree.items():
-        if key in UNREPRODUCIBLE_SAMPLING and where == "grpo.":
-            raise SubmitError(f"'grpo.{key}' is not supported: the trainer scores the full tempered "
+        if key in UNREPRODUCIBLE_SAMPLING and where.endswith("grpo."):
+            raise SubmitError(f"'{where}{key}' is not supported: the trainer scores the full tempered "
                               "distribution, so only grpo.temperature may shape sampling")
         if key not in fields:
             raise SubmitError(f"unknown field '{where}{key}'; known fields: {', '.join(sorted(fields))}")
         if key in ("grpo", "lora", "sft"):
-            _check_keys(value, {"grpo": GrpoSettings, "lora": LoraSettings, "sft": SftSettings}[key], f"{key}.")
+            _check_keys(value, {"grpo": GrpoSettings, "lora": LoraSettings, "sft": SftSettings}[key], f"{where}{key}.")
+        if key == "then":
+            _check_keys(value, SubmitRequest, f"{where}then.")
 
 
 def parse_submission(tree: dict) -> SubmitRequest:
-    """A submission from a TOML / JSON tree; errors name the field."""
+    """A submission from a TOML / JSON tree; errors name the field. Its follow-ups (``then``,
+    at most :data:`MAX_THEN_CHAIN` deep) are parsed too, so a mistake there is refused now."""
     _check_keys(tree, SubmitRequest, "")
     try:
-        return msgspec.convert(tree, SubmitRequest)
+        request = msgspec.convert(tree, SubmitRequest)
     except msgspec.ValidationError as exc:
         raise SubmitError(f"invalid job: {exc}") from exc
+    chain, where = request, "then"
+    while (chain := follow_up(chain, where)) is not None:
+        where += ".then"
+    return request
+
+
+def follow_up(request: SubmitRequest, where: str = "then") -> SubmitRequest | None:
+    """The job ``request.then`` describes, as its tenant's submission, or None; fields the
+    platform sets for a follow-up (:data:`SET_FOR_FOLLOW_UPS`) are refused there."""
+    if request.then is None:
+        return None
+    if where.count("then") > MAX_THEN_CHAIN:
+        raise SubmitError(f"{where}: a chain of at most {MAX_THEN_CHAIN} follow-up jobs; submit the rest later")
+    for key in SET_FOR_FOLLOW_UPS:
+        if key in request.then:
+            raise SubmitError(f"{where}.{key} is set for you (the follow-up runs as your tenant, from this job's "
+                              f"last version): remove it")
+    try:
+        return msgspec.convert({**request.then, "tenant": request.tenant}, SubmitRequest)
+    except msgspec.ValidationError as exc:
+        raise SubmitError(f"invalid job in '{where}': {exc}") from exc
+
+
+def follow_up_tree(then: dict[str, Any], tenant: str, parent: str) -> dict[str, Any]:
+    """The submission that starts job ``parent``'s follow-up: from its last version, under a key
+    that makes a repeated start (a redelivered last commit) answer the same job."""
+    key = "then-" + hashlib.sha256(parent.encode()).hexdigest()[:32]
+    return {**then, "tenant": tenant, "init_from": f"{parent}@latest", "idempotency_key": key}
 
 
 class SubmitReply(msgspec.Struct, kw_only=True):
@@ -140,6 +176,7 @@ class JobView(msgspec.Struct, kw_only=True):
     metrics: dict[str, list[float]] = {}  # agentic jobs: tool/* and episode/* figures per version
     evals: list[EvalPoint] = []  # held-out greedy scores: [{"version", "score"}]
     warnings: dict[str, str] = {}  # e.g. {"tool acme.weather": "has not answered since ..."}
+    followed_by: str = ""  # the job its ``then`` started when it completed
 
 
 def job_view(record: JobRecord) -> JobView:
@@ -148,7 +185,7 @@ def job_view(record: JobRecord) -> JobView:
                    state=record.state.value, reason=record.reason, version=record.version,
                    steps=record.steps_done, target_steps=spec.steps, rewards=record.rewards,
                    ttfs_s=record.ttfs_s, tpts_s=record.tpts_s, tools=list(spec.tools), metrics=record.metrics,
-                   evals=record.evals, warnings=record.warnings)
+                   evals=record.evals, warnings=record.warnings, followed_by=record.followed_by)
 
 
 class StatusReply(msgspec.Struct, kw_only=True):

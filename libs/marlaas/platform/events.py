@@ -114,6 +114,7 @@ class JobSpec(Wire):
     # same tenant (services/manager/warm_start.py); resolved at submission into ``init_adapter``
     init_from: str = ""
     init_adapter: Blob | None = None  # version 0's weights, copied from the source at submission
+    then: str = ""  # JSON of the submission started when this job completes ("" = none; api.follow_up)
     submitted_at: float = 0.0
 
 
@@ -373,6 +374,7 @@ class JobRecord(Wire):
     first_commit_at: float = 0.0  # version 1, i.e. the first trained update
     last_commit_at: float = 0.0
     finished_at: float = 0.0
+    followed_by: str = ""  # the job ``spec.then`` started when this one completed
 
     @property
     def steps_done(self) -> int:

@@ -44,6 +44,7 @@ class JobInfo(msgspec.Struct, kw_only=True, frozen=True):
     metrics: dict[str, list[float]] = {}
     evals: list[EvalInfo] = []
     queue_position: int | None = None
+    followed_by: str = ""  # the job its ``then`` started when it completed
     pinned: list[int] = []
     submitted_at: float = 0.0
     finished_at: float | None = None

@@ -99,9 +99,17 @@ def read_job_file(path: str | os.PathLike) -> dict:
         job = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise BadRequest(f"job file {path} is not valid TOML: {exc}") from None
+    return with_absolute_paths(job, path.parent)
+
+
+def with_absolute_paths(job: dict, folder: Path) -> dict:
+    """``job`` with its data paths (and its follow-up's, ``then``) made absolute, relative to ``folder``."""
+    job = dict(job)
     for key in PATH_FIELDS:
         if isinstance(job.get(key), str) and not is_file_id(job[key]):
-            job[key] = str((path.parent / Path(job[key]).expanduser()).resolve())
+            job[key] = str((folder / Path(job[key]).expanduser()).resolve())
+    if isinstance(job.get("then"), dict):
+        job["then"] = with_absolute_paths(job["then"], folder)
     return job
 
 
@@ -204,6 +212,8 @@ class Client:
         """``job`` with each local path in its data fields (relative to the working directory, or
         to the job file) replaced by the id of that file uploaded: a file the tenant already has
         (the same sha256) is not sent again."""
+        if isinstance(job.get("then"), dict):  # a follow-up's data too
+            job = {**job, "then": self.with_uploaded_data(job["then"])}
         local = {key: job[key] for key in PATH_FIELDS
                  if isinstance(job.get(key), str) and job[key] and not is_file_id(job[key])}
         if not local:
