@@ -63,7 +63,7 @@ from services.manager.sizing import max_token_chars
 from services.manager.tinker_sessions import TinkerQuotas, sweep_tinker_sessions
 from services.manager.validation import StackFacts, validate_submission
 from services.manager.validation import job_id as job_id  # re-exported: tests import it here
-from services.manager.warm_start import lora_of, resolve_init
+from services.manager.warm_start import lora_of, resolve_init, servable_problem
 
 log = structlog.get_logger("manager")
 GC_EVERY = 5  # versions between garbage collections of a job's stored objects
@@ -203,6 +203,8 @@ class Manager:
             await self.check_reward_served(record.spec)
             warm = (await resolve_init(self.bus, self.store, record.spec.tenant, record.spec.init_from)
                     if record.spec.init_from else None)
+            if warm and (problem := servable_problem(warm[0], self.facts.max_lora_rank, self.facts.lora_targets)):
+                raise api.SubmitError(f"init_from {record.spec.init_from!r}: {problem}")
         except (api.SubmitError, msgspec.DecodeError) as exc:
             return api.SubmitReply(error=str(exc), code=api.INVALID)
         spec = record.spec

@@ -1,9 +1,15 @@
-"""Warm starts (``init_from``): a job's version 0 taken from another job's committed version.
+"""Warm starts (``init_from``): a job's version 0 taken from weights the tenant already has.
 
-``init_from = "JOB@VERSION"`` or ``"JOB@latest"``, JOB a job of the submitting tenant (its id, or
-its id without the tenant's prefix). Another tenant's job is answered as a missing one. The new
-job's adapter shape (rank, alpha, target modules) is the source's: its version 0 is a copy of the
-source's weights, with a fresh optimizer. :func:`parse_init_from` is the pure decision;
+``init_from`` names one of the submitting tenant's:
+
+- jobs, at a committed version: ``"JOB@VERSION"`` or ``"JOB@latest"`` (JOB its id, or its id
+  without the tenant's prefix);
+- Tinker checkpoints: ``"tinker://<model>/<weights|sampler_weights>/<name>"`` (docs/tinker.md).
+
+Another tenant's job or checkpoint is answered as a missing one. The new job's adapter shape
+(rank, alpha, target modules) is the source's, which must be one the engine serves
+(:func:`servable_problem`): its version 0 is a copy of the source's weights, with a fresh
+optimizer. :func:`parse_init_from` and :func:`servable_problem` are the pure decisions;
 :func:`resolve_init` reads the bus and the store.
 """
 
@@ -13,23 +19,33 @@ import asyncio
 import json
 from dataclasses import dataclass
 
-from marlaas.platform import api, subjects
+from marlaas.platform import api, subjects, tinker_records
 from marlaas.platform.adapters import read_adapter
 from marlaas.platform.bus import VERSIONS_BUCKET, Bus
 from marlaas.platform.events import COMMITTED, POLICY, Blob, LoraSettings
 from marlaas.platform.store import ObjectNotFound, ObjectStore
+from marlaas.platform.tinker_records import TinkerCheckpoint
 
-FORMS = "JOB@VERSION (a version number) or JOB@latest, JOB one of your jobs"
+FORMS = ("JOB@VERSION (a version number) or JOB@latest, JOB one of your jobs, or a Tinker checkpoint's "
+         "tinker://... path")
+MAX_CHECKPOINT_PATH_CHARS = 512
 
 
 @dataclass(frozen=True)
 class InitSource:
-    job: str  # the source job's id
-    version: int | None  # None: its latest committed version
+    job: str = ""  # the source job's id
+    version: int | None = None  # None: its latest committed version
+    checkpoint: str = ""  # or a Tinker checkpoint's tinker:// path
 
 
 def parse_init_from(value: str, tenant: str) -> InitSource:
     """The source ``value`` names, or :class:`api.SubmitError` saying what to write."""
+    if value.startswith("tinker://"):
+        if len(value) > MAX_CHECKPOINT_PATH_CHARS or value.count("/") < 4:
+            raise api.SubmitError(f"init_from {value[:80]!r}: a Tinker checkpoint is "
+                                  "tinker://<model>/<weights|sampler_weights>/<name> (save_state or "
+                                  "save_weights_for_sampler answers it)")
+        return InitSource(checkpoint=value)
     job, at, version = value.strip().rpartition("@")
     if not at or not job:
         raise api.SubmitError(f"init_from {value!r}: write {FORMS}")
@@ -42,6 +58,18 @@ def parse_init_from(value: str, tenant: str) -> InitSource:
     return InitSource(job, int(version))
 
 
+def servable_problem(config_json: bytes, max_rank: int, targets: frozenset[str]) -> str:
+    """Why the engine could not serve an adapter of this PEFT config ("" = it can)."""
+    lora = lora_of(config_json)
+    if not 1 <= lora.rank <= max_rank:
+        return (f"its LoRA rank is {lora.rank}, and this stack serves ranks up to {max_rank} "
+                "(rollout.max_lora_rank): start from an adapter of a lower rank")
+    if strange := sorted(set(lora.target_modules) - targets):
+        return (f"it adapts {strange}, which are not linear layers of this stack's base model: it was "
+                "trained on another base")
+    return ""
+
+
 def lora_of(config_json: bytes) -> LoraSettings:
     """The LoRA shape a PEFT ``adapter_config.json`` describes."""
     config = json.loads(config_json)
@@ -52,6 +80,8 @@ def lora_of(config_json: bytes) -> LoraSettings:
 async def resolve_init(bus: Bus, store: ObjectStore, tenant: str, value: str) -> tuple[bytes, bytes]:
     """The (config JSON, weights) of the version ``value`` names, or :class:`api.SubmitError`."""
     source = parse_init_from(value, tenant)
+    if source.checkpoint:
+        return await checkpoint_weights(bus, store, tenant, source.checkpoint)
     missing = api.SubmitError(f"init_from {value!r}: no job {source.job!r} of yours (`marlaas status` lists them)")
     if not source.job.startswith(f"{tenant}."):
         raise missing  # another tenant's job: answered exactly as a missing one
@@ -73,3 +103,15 @@ async def resolve_init(bus: Bus, store: ObjectStore, tenant: str, value: str) ->
     except ObjectNotFound:
         raise api.SubmitError(f"init_from {value!r}: that version is no longer stored (garbage collection keeps "
                               "a job's last versions and the ones pinned: pin it, or start from a later one)") from None
+
+
+async def checkpoint_weights(bus: Bus, store: ObjectStore, tenant: str, path: str) -> tuple[bytes, bytes]:
+    """The (config JSON, weights) of the tenant's Tinker checkpoint at ``path``."""
+    checkpoint = await tinker_records.read(bus, "checkpoint", path, TinkerCheckpoint)
+    if checkpoint is None or checkpoint.tenant != tenant:  # another tenant's reads as missing
+        raise api.SubmitError(f"init_from {path!r}: no Tinker checkpoint of yours there (the SDK's "
+                              "list_user_checkpoints lists them)")
+    try:
+        return await asyncio.to_thread(read_adapter, store, checkpoint.adapter)
+    except ObjectNotFound:
+        raise api.SubmitError(f"init_from {path!r}: that checkpoint's weights are no longer stored") from None

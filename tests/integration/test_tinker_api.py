@@ -33,7 +33,7 @@ from marlaas.platform.bus import Bus  # noqa: E402
 from marlaas.platform.config import load_config  # noqa: E402
 from marlaas.platform.events import METRIC  # noqa: E402
 from marlaas.platform.store import open_store  # noqa: E402
-from marlaas.sdk import Client, NotFound, QuotaExceeded  # noqa: E402
+from marlaas.sdk import BadRequest, Client, NotFound, QuotaExceeded  # noqa: E402
 from marlaas.stack.launcher import SERVICES, Stack  # noqa: E402
 from services.gateway.tinker_api import POLL_S  # noqa: E402
 from tests.tenant_admin import tenant_cli_ok  # noqa: E402
@@ -236,6 +236,28 @@ def test_a_checkpoint_is_pulled_as_a_peft_directory_by_its_tenant_only(stack, ur
     assert nll == pytest.approx(trained["losses"][-1], rel=1e-3)  # the weights the trainer had
     with Client(gateway, keys["bob"].removeprefix("tml-")) as bob, pytest.raises(NotFound):
         bob.download(trained["sampler"], tmp_path / "stolen")
+
+
+def test_a_job_starts_from_a_tinker_checkpoint_of_its_tenant_only(stack, url, keys, trained, tmp_path):
+    """``init_from = "tinker://..."``: a marlaas job's version 0 is the checkpoint's weights (the
+    same tensors); another tenant naming the path is refused as if it did not exist."""
+    from safetensors.torch import load_file
+
+    gateway = url.removesuffix("/tinker")
+    with Client(gateway, keys["alice"].removeprefix("tml-")) as alice:
+        job = alice.submit({**SMALL_JOB, "steps": 1, "name": "from-tinker", "init_from": trained["sampler"]})
+        deadline = time.monotonic() + 300
+        while alice.job(job).state in ("queued", "running"):
+            assert time.monotonic() < deadline, alice.job(job)
+            time.sleep(1)
+        assert alice.job(job).state == "completed", alice.job(job)
+        start = alice.download(job, tmp_path / "v0", version=0)
+        source = alice.download(trained["sampler"], tmp_path / "checkpoint")
+    ours, theirs = (load_file(d / "adapter_model.safetensors") for d in (start, source))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    with Client(gateway, keys["bob"].removeprefix("tml-")) as bob, pytest.raises(BadRequest) as refused:
+        bob.submit({**SMALL_JOB, "steps": 1, "init_from": trained["sampler"]})
+    assert "no Tinker checkpoint of yours" in str(refused.value)
 
 
 def test_a_deleted_checkpoint_is_gone_from_the_listing_and_the_store(stack, url, keys, trained):

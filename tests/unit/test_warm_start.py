@@ -3,7 +3,7 @@ import json
 import pytest
 
 from marlaas.platform import api
-from services.manager.warm_start import InitSource, lora_of, parse_init_from
+from services.manager.warm_start import InitSource, lora_of, parse_init_from, servable_problem
 
 
 def test_init_from_names_a_job_of_the_tenant_at_a_version_or_its_latest():
@@ -24,3 +24,21 @@ def test_the_lora_shape_is_read_from_the_adapter_config():
     config = json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["v_proj", "q_proj"]}).encode()
     shape = lora_of(config)
     assert (shape.rank, shape.alpha, shape.target_modules) == (4, 8, ("q_proj", "v_proj"))
+
+
+def test_a_tinker_checkpoint_is_named_by_its_path():
+    path = "tinker://acme.m1/sampler_weights/after-3"
+    assert parse_init_from(path, "acme") == InitSource(checkpoint=path)
+    for bad in ("tinker://acme.m1", "tinker://" + "x/" * 300):
+        with pytest.raises(api.SubmitError, match="a Tinker checkpoint is tinker://"):
+            parse_init_from(bad, "acme")
+
+
+def test_only_an_adapter_the_engine_serves_can_start_a_job():
+    def config(rank, modules):
+        return json.dumps({"r": rank, "lora_alpha": 16, "target_modules": modules}).encode()
+
+    targets = frozenset({"q_proj", "v_proj", "o_proj"})
+    assert servable_problem(config(8, ["q_proj", "v_proj"]), 16, targets) == ""
+    assert "rank is 32, and this stack serves ranks up to 16" in servable_problem(config(32, ["q_proj"]), 16, targets)
+    assert "['mlp.c_fc'], which are not linear layers" in servable_problem(config(8, ["q_proj", "mlp.c_fc"]), 16, targets)
