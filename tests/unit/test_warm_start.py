@@ -41,4 +41,5 @@ def test_only_an_adapter_the_engine_serves_can_start_a_job():
     targets = frozenset({"q_proj", "v_proj", "o_proj"})
     assert servable_problem(config(8, ["q_proj", "v_proj"]), 16, targets) == ""
     assert "rank is 32, and this stack serves ranks up to 16" in servable_problem(config(32, ["q_proj"]), 16, targets)
-    assert "['mlp.c_fc'], which are not linear layers" in servable_problem(config(8, ["q_proj", "mlp.c_fc"]), 16, targets)
+    foreign = servable_problem(config(8, ["q_proj", "mlp.c_fc"]), 16, targets)
+    assert "['mlp.c_fc'], which are not linear layers" in foreign
