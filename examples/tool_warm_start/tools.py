@@ -10,9 +10,13 @@ the measured shares). The project's data:
 - ``prompts.jsonl``: 40 questions about *other* countries and planets, with their answers, for
   the ``agent`` job that starts from the sft job's last version (``init_from``) and learns by RL.
 
-``python tools.py LOG`` serves both tools in the namespace ``acme`` (``MARLAAS_NATS_URL`` names the
-stack) and appends a line per call to LOG: the tool's name, its argument, ``ok`` or ``error``.
-``python tools.py --write-data DIR`` writes the two JSONL files (they are committed beside this one).
+``python tools.py LOG [TENANT]`` serves both tools in the tenant's namespace (``acme`` unless
+named; the job files here name ``default``'s, the embedded stack's tenant) and appends a line per
+call to LOG: the tool's name, its argument, ``ok`` or ``error``. ``python tools.py --write-data
+DIR`` writes the two JSONL files (they are committed beside this one). The chain, from this folder::
+
+    python tools.py calls.log default &
+    marlaas submit --then rl.toml sft.toml
 """
 
 import json
@@ -115,4 +119,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--write-data"]:
         write_data(Path(sys.argv[2]))
     else:
-        serve(zorbleck_capital, qelvin_moons, tenant="acme")
+        serve(zorbleck_capital, qelvin_moons, tenant=sys.argv[2] if len(sys.argv) > 2 else "acme")

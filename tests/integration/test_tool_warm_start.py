@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
+import os
 import statistics
 import subprocess
 import sys
@@ -21,15 +23,16 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from marlaas.basemodel import builtin_model_dir
 from marlaas.basemodel.synthetic import split_of
+from marlaas.platform.api import follow_up, parse_submission
 from marlaas.platform.config import load_config
-from marlaas.platform.events import POLICY
-from marlaas.platform.files import put_file
+from marlaas.platform.events import POLICY, GrpoSettings
 from marlaas.platform.nats_client import BusClient
-from marlaas.platform.store import open_store
+from marlaas.sdk.http import read_job_file
 from marlaas.stack.launcher import Stack
 from marlaas.tools.registry import read_tool
 
@@ -40,20 +43,43 @@ _spec = importlib.util.spec_from_file_location("tool_warm_start", PROJECT / "too
 project = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(project)
 
-TOOLS = ["acme.zorbleck_capital", "acme.qelvin_moons"]
+TOOLS = ["default.zorbleck_capital", "default.qelvin_moons"]  # the job files' (the embedded stack's tenant)
 GRPO = {"max_new_tokens": 40, "prompts_per_step": 8, "group_size": 8}
 RL_STEPS = 20
+SFT_SETTINGS = (8, 6, 5e-3)  # batch size, epochs, learning rate
 
 
 def mean(values) -> float:
     return statistics.mean(values) if values else 0.0
 
 
-def test_the_projects_data_is_what_its_tools_file_writes(tmp_path):
+def test_the_projects_data_and_job_files_are_what_this_test_runs(tmp_path):
     project.write_data(tmp_path)
     for name in ("demos.jsonl", "prompts.jsonl"):
         assert (tmp_path / name).read_text() == (PROJECT / name).read_text(), f"regenerate {name}"
     assert all(split_of(w) == "heldout" for w in project.COUNTRIES + project.PLANETS)
+    # `marlaas submit --then rl.toml sft.toml` submits the chain this test runs (tenant default's tools)
+    sft, rl = (read_job_file(PROJECT / name) for name in ("sft.toml", "rl.toml"))
+    job = parse_submission({**sft, "then": rl})
+    assert (job.task, job.sft.batch_size, job.sft.epochs, job.grpo.learning_rate) == ("sft", *SFT_SETTINGS)
+    then = follow_up(job)
+    assert (then.task, then.steps, then.reward, then.system, then.seed) == ("agent", RL_STEPS, "contains",
+                                                                          project.SYSTEM, 3)
+    assert msgspec.structs.asdict(then.grpo) == {**msgspec.structs.asdict(GrpoSettings()), **GRPO}
+    assert list(job.tools) == list(then.tools) == TOOLS
+    assert Path(job.dataset) == PROJECT / "demos.jsonl" and Path(then.dataset) == PROJECT / "prompts.jsonl"
+
+
+def submit_chain(stack: Stack) -> str:
+    """``marlaas submit --then rl.toml sft.toml`` from the project's folder, as the README says:
+    the real CLI, through the gateway as tenant ``default`` (it uploads both jobs' data)."""
+    env = {**os.environ, "MARLAAS_NATS_URL": "", "MARLAAS_URL": "", "MARLAAS_TOKEN": "",
+           "MARLAAS_HOME": str(stack.home)}
+    proc = subprocess.run([sys.executable, "-m", "marlaas.cli", "--home", str(stack.home), "submit", "--then",
+                           "rl.toml", "sft.toml", "--json"], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=PROJECT)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["id"]
 
 
 @pytest.mark.timeout(1200)
@@ -69,21 +95,13 @@ def test_sft_then_rl_teaches_a_tool_the_base_cannot_call(tmp_path):
         while any([await read_tool(client.bus, name) is None for name in TOOLS]):
             assert time.monotonic() < deadline, "the tools never announced themselves"
             await asyncio.sleep(0.2)
-        store = open_store(stack.resolved.store_url)
-        prompts = put_file(store, "acme", (PROJECT / "prompts.jsonl").read_bytes(), "prompts.jsonl").id
-        demos = put_file(store, "acme", (PROJECT / "demos.jsonl").read_bytes(), "demos.jsonl").id
-        agent = {"task": "agent", "tenant": "acme", "dataset": prompts, "tools": TOOLS, "reward": "contains",
-                 "system": project.SYSTEM, "grpo": GRPO, "seed": 3}
-        base = await client.submit({**agent, "name": "base", "steps": 1})
-        # the chain as one submission: the sft job, then (``then``) the RL job from its last version
-        rl_job = {k: v for k, v in agent.items() if k != "tenant"} | {"name": "rl", "steps": RL_STEPS}
-        sft = await client.submit({"name": "sft", "task": "sft", "tenant": "acme", "dataset": demos, "tools": TOOLS,
-                                   "steps": 1, "sft": {"batch_size": 8, "epochs": 6}, "seed": 3,
-                                   "grpo": {"learning_rate": 5e-3}, "then": rl_job})
+        # the plain base, one version on the RL job's questions: where the chain starts from
+        rl_job = read_job_file(PROJECT / "rl.toml")
+        base = await client.submit({**rl_job, "name": "base", "steps": 1})
+        sft = await asyncio.to_thread(submit_chain, stack)
         base_view, sft_view = await client.wait([base, sft], timeout_s=600)
-        base_calls = calls_log.read_text().splitlines()
         while not sft_view.followed_by:  # noted in its record right after it completed
-            assert not sft_view.reason, sft_view
+            assert sft_view.state == "completed" and not sft_view.reason, sft_view
             await asyncio.sleep(0.5)
             (sft_view,) = await client.status(sft)
         (rl_view,) = await client.wait([sft_view.followed_by], timeout_s=600)
@@ -93,24 +111,25 @@ def test_sft_then_rl_teaches_a_tool_the_base_cannot_call(tmp_path):
                 "POLICY", f"marlaas.policy.committed.{name}")]
         assert firsts[rl_view.id][0].adapter.sha256 == firsts[sft][-1].adapter.sha256  # v0 = the sft job's last
         await client.close()
-        return base_view, sft_view, rl_view, base_calls
+        return base_view, sft_view, rl_view
 
     with Stack(config) as stack:
-        tools = subprocess.Popen([sys.executable, str(PROJECT / "tools.py"), str(calls_log)],
+        tools = subprocess.Popen([sys.executable, str(PROJECT / "tools.py"), str(calls_log), "default"],
                                  env={"MARLAAS_NATS_URL": stack.nats_url, "PATH": "/usr/bin:/bin"})
         try:
-            base, sft, rl, base_calls = asyncio.run(go(stack))
+            base, sft, rl = asyncio.run(go(stack))
         finally:
             tools.terminate()
             tools.wait(timeout=30)
     assert base.state == sft.state == rl.state == "completed", (base, sft, rl)
+    assert (sft.task, sft.version, rl.task, rl.version) == ("sft", 18, "agent", RL_STEPS)
     base_share, rl_share = base.metrics["tool/success_rate"], rl.metrics["tool/success_rate"]
-    rl_calls = Counter(line.rpartition(" ")[2] for line in calls_log.read_text().splitlines()[len(base_calls):])
-    print(f"\nbase: right-call share {base_share}, reward {base.rewards}; its calls {base_calls[:20]}")
-    print(f"rl calls: {dict(rl_calls)}")
+    calls = Counter(" ".join(line.split()[::2]) for line in calls_log.read_text().splitlines())
+    print(f"\nbase: right-call share {base_share}, reward {base.rewards}; all calls (tool, outcome): {dict(calls)}")
     print(f"sft loss per version: {[round(x, 3) for x in sft.metrics['loss']]}")
     print(f"rl right-call share per version: {[round(x, 2) for x in rl_share]}")
     print(f"rl reward per version: {[round(x, 2) for x in rl.rewards]}")
     assert mean(base_share) < 0.05
+    assert sft.metrics["loss"][-1] < 0.5 * sft.metrics["loss"][0]
     assert mean(rl_share[-3:]) > 0.6
     assert mean(rl.rewards[-3:]) >= mean(rl.rewards[:3]) + 0.05
