@@ -23,6 +23,12 @@ Qwen's paragraph, the ``{"type": "function", "function": ...}`` wrapper dropped 
 function is shown), and no ``<think>`` handling (the model is never taught to think).
 The rendering of a prefix of a conversation is a prefix of the rendering of the whole
 (nothing depends on later messages), which training's loss mask relies on.
+
+The tokenizer also ships a ``response_template`` (:data:`RESPONSE_TEMPLATE`, saved in
+``tokenizer_config.json``): transformers' declarative response parser, the inverse of the
+template's assistant turn, so ``tok.parse_response(text, prefix=prompt)`` turns a model's output
+back into ``{"role": "assistant", "content": ..., "tool_calls": [{"type": "function",
+"function": {"name": ..., "arguments": {...}}}]}`` (TRL's tool loop reads the same attribute).
 """
 
 from __future__ import annotations
@@ -80,6 +86,28 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}"
 )
 
+# transformers' response template (``tokenizer.response_template``; ``parse_response`` /
+# ``get_response_parser`` read it): the inverse of the template's assistant turn, content then
+# each call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` then ``<|im_end|>``.
+# - content is the text outside the calls, unstripped and joined, so parsing a rendered turn gives
+#   its message back exactly and re-rendering a parsed output gives back what the model wrote (a
+#   stripped content would not re-render to the sampled tokens); it defaults to "" (calls only);
+# - a call's body is JSON (a malformed call raises ValueError, as transformers' own templates do);
+# - the turn ends at <|im_end|> (or <|endoftext|>, the other eos), with the "\n" the template
+#   writes after it; a turn cut at </tool_call> (rollout's stop string) parses as well.
+# Every delimiter is a literal except that end pattern: two literals then one trailing ``\s*``,
+# no nested or overlapping quantifiers, so matching is linear in the output (no backtracking).
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant", "content": ""},
+    "start_anchor": f"{IM_START}assistant\n",
+    "fields": {
+        "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"(?:<\|im_end\|>|<\|endoftext\|>)\s*", "content": "text",
+                    "content_args": {"strip": False}, "repeats": True, "join": ""},
+    },
+}
+
 
 def _strip_markup(text: str) -> str:
     """Training text for the BPE merges: special tokens and tags are single ids, never merged."""
@@ -109,6 +137,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = VOCAB_SIZE) -> PreTr
         model_max_length=MODEL_MAX_LENGTH,
     )
     tok.chat_template = CHAT_TEMPLATE
+    tok.response_template = RESPONSE_TEMPLATE
     check_tokenizer(tok, vocab_size)
     return tok
 
@@ -123,6 +152,11 @@ def check_tokenizer(tok: PreTrainedTokenizerFast, vocab_size: int = VOCAB_SIZE) 
                  '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'):
         ids = tok.encode(text, add_special_tokens=False)
         assert tok.decode(ids) == text, (text, tok.decode(ids))
+    call = {"role": "assistant", "content": "ok", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": {"x": [1, "y"]}}}]}
+    parsed = tok.parse_response(tok.encode('ok<tool_call>{"name": "f", "arguments": {"x": [1, "y"]}}</tool_call>'
+                                           f"{IM_END}", add_special_tokens=False), prefix="")
+    assert parsed == call, parsed
 
 
 def save_tokenizer(tok: PreTrainedTokenizerFast, out: Path) -> None:
