@@ -187,7 +187,10 @@ async def create_model(request: Request, tenant: TenantRecord) -> dict:
     rank = lora.get("rank", 32)
     max_rank = gateway.config.rollout.max_lora_rank
     if not isinstance(rank, int) or not 1 <= rank <= max_rank:
-        raise ApiError(400, f"lora_config.rank must be 1 to {max_rank} (rollout.max_lora_rank), not {rank!r}")
+        wanted = rank if isinstance(rank, int) and rank > max_rank else 32
+        raise ApiError(400, f"lora_config.rank must be 1 to {max_rank}, not {rank!r}: ask for a lower rank, or "
+                            f"have the operator raise rollout.max_lora_rank to {wanted} (the config file's "
+                            "[rollout] section; docs/configuration.md)")
     seed = lora.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, f"lora_config.seed must be a whole number, not {seed!r}")

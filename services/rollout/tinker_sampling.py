@@ -108,7 +108,8 @@ class TinkerSampler:
             raise SampleError(f"sampling_params.seed must be 0 to {limits.MAX_SAMPLING_SEED - 1}")
         if max_tokens is None or not 1 <= max_tokens <= limit:
             raise SampleError(f"sampling_params.max_tokens must be set, 1 to {limit} (the engine's "
-                              f"max_model_len less the {len(prompt)}-token prompt)")
+                              f"max_model_len less the {len(prompt)}-token prompt); for more, the operator "
+                              f"raises rollout.max_model_len to at least {len(prompt) + (max_tokens or 0)}")
         stop = params.get("stop")
         if not (stop is None or isinstance(stop, str) or isinstance(stop, list) and len(stop) <= 16 and all(
                 isinstance(s, str) and 0 < len(s) <= 256 or isinstance(s, int) and 0 <= s < vocab for s in stop)):

@@ -28,10 +28,12 @@ class RolloutConfig(Section):
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB)
     gpu_memory_utilization: float = 0.8
     max_loras: int = 16  # adapters resident in one engine batch (as many as jobs sampled at once)
-    # every adapter is padded to this rank in vLLM's LoRA kernels: on CPU, 16 instead of 8 makes a
-    # rank-8 job's generation ~46 % slower (benchmarks/engine_lora.py). Raise it for larger ranks.
-    max_lora_rank: int = 8
-    max_model_len: int = 512
+    # the largest rank a job or Tinker model may ask for (32: the Tinker SDK's and cookbook's
+    # default). vLLM's own CPU kernels pad every adapter to it (16 instead of 8 cost a rank-8 job
+    # ~46 %); marlaas's fused CPU kernels (the default) do not: rank-8 jobs within noise of each
+    # other at 8, 16 and 32 (benchmarks/engine_lora.py, docs/configuration.md)
+    max_lora_rank: int = 32
+    max_model_len: int = 1024  # prompt and sample together; the cookbook's multi-turn recipes pass 512
     # how prompts and tool observations are written: "chat" with the base model's chat template
     # (tools listed by it, each observation in its tool turn; an error for a model without one),
     # "bare" as plain text and bare <tool_call> / <tool_response> tags (models without a template),
