@@ -260,7 +260,7 @@ async def test_a_dataset_line_that_is_not_json_refuses_the_submit_naming_the_lin
     ({"grpo": {"group_size": 2**64}}, "grpo.group_size must be at least 2 and at most 1024"),
     ({"grpo": {"max_new_tokens": 2**64}}, "exceeds rollout.max_model_len (1024); lower max_new_tokens"),
     ({"grpo": {"max_new_tokens": -1}}, "grpo.max_new_tokens must be >= 0"),
-    ({"lora": {"rank": 10**400}}, "lora.rank must be between 1 and 8"),
+    ({"lora": {"rank": 10**400}}, "lora.rank must be between 1 and 32"),
     ({"lora": {"alpha": 10**400}}, "lora.alpha must be between 1 and 4096"),
 ])
 async def test_every_integer_of_a_submission_is_range_checked_and_nothing_is_created(bus, manager, fields, says):
