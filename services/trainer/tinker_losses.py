@@ -8,10 +8,14 @@ returns (loss, outputs). The formulations are Tinker's documented ones:
   ``forward_backward_custom`` relies on them);
 - ``importance_sampling``: ``-sum_t exp(lp_t - q_t) * A_t`` (q: the sampler's logprobs);
 - ``ppo``: ``-sum_t min(r_t * A_t, clip(r_t, low, high) * A_t)``, r = exp(lp - q), with
-  ``clip_low_threshold`` / ``clip_high_threshold`` from ``loss_fn_config`` (default 0.8, 1.2).
+  ``clip_low_threshold`` / ``clip_high_threshold`` from ``loss_fn_config`` (default 0.8, 1.2);
+- ``cispo``: ``-sum_t sg(clip(r_t, low, high)) * lp_t * A_t``: the clipped ratio a coefficient
+  with no gradient of its own, so no token's gradient is zeroed (default low 0, high 4: one-sided);
+- ``dro``: ``-sum_t (lp_t * A_t - beta / 2 * (lp_t - q_t)^2)``, ``beta`` from ``loss_fn_config``
+  (default :data:`DRO_BETA`: Tinker's documentation gives none, its example uses 0.05).
 
-Not served (a clear error names the three above): ``cispo``, ``dro``, ``gspo`` and custom losses
-run server-side; ``forward_backward_custom`` works, as it is cross_entropy with the client's weights.
+Not served (a clear error names the five above): ``gspo`` and custom losses run server-side;
+``forward_backward_custom`` works, as it is cross_entropy with the client's weights.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ INPUTS = {
     "cross_entropy": ("target_tokens", "weights"),
     "importance_sampling": ("target_tokens", "logprobs", "advantages"),
     "ppo": ("target_tokens", "logprobs", "advantages"),
+    "cispo": ("target_tokens", "logprobs", "advantages"),
+    "dro": ("target_tokens", "logprobs", "advantages"),
 }
+DRO_BETA = 0.05
 
 
 class LossInputError(ValueError):
@@ -57,6 +64,13 @@ def datum_loss(loss_fn: str, logprobs_T: torch.Tensor, inputs: dict[str, torch.T
         advantages_T = inputs["advantages"].float()
         if loss_fn == "importance_sampling":
             elementwise_T = -ratio_T * advantages_T
+        elif loss_fn == "cispo":
+            low, high = config.get("clip_low_threshold", 0.0), config.get("clip_high_threshold", 4.0)
+            elementwise_T = -torch.clamp(ratio_T, low, high).detach() * logprobs_T * advantages_T
+        elif loss_fn == "dro":
+            beta = config.get("beta", DRO_BETA)
+            gap_T = logprobs_T - inputs["logprobs"].float()
+            elementwise_T = -(logprobs_T * advantages_T - 0.5 * beta * gap_T * gap_T)
         else:
             low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
             clipped_T = torch.clamp(ratio_T, low, high)

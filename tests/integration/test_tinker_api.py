@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -285,8 +286,12 @@ def test_many_steps_across_two_trainers_keep_every_gradient(trained):
 
 def test_failures_are_request_failed_with_a_category(service, trained):
     client, ids = trained["client"], trained["ids"]
-    with pytest.raises(tinker.BadRequestError, match="cross_entropy, importance_sampling, ppo"):
-        client.forward_backward([ce_datum(ids)], "cispo").result()
+    with pytest.raises(tinker.BadRequestError, match="cross_entropy, importance_sampling, ppo, cispo, dro"):
+        client.forward_backward([ce_datum(ids)], "gspo").result()
+    rl_datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
+        "target_tokens": ids[1:], "logprobs": [-1.0] * (len(ids) - 1), "advantages": [0.5] * (len(ids) - 1)})
+    for loss_fn, config in (("cispo", None), ("dro", {"beta": 0.1})):  # served: a loss, no gradient kept (forward)
+        assert math.isfinite(client.forward([rl_datum], loss_fn, loss_fn_config=config).result().metrics["loss:sum"])
     no_weights = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
                              loss_fn_inputs={"target_tokens": ids[1:], "advantages": [1.0] * (len(ids) - 1)})
     with pytest.raises(tinker.RequestFailedError, match="'logprobs' is missing") as failed:

@@ -28,7 +28,7 @@ from marlaas.platform.limits import cut
 INLINE_RESULT_BYTES = 512 * 1024  # a future's body above this goes to the object store
 SDK_VERSION = "0.38.0"  # the tinker SDK the API is written and tested against
 MAX_SAMPLES = 64  # num_samples of one asample
-LOSSES = ("cross_entropy", "importance_sampling", "ppo")  # served (services/trainer/tinker_losses.py)
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")  # served (services/trainer/tinker_losses.py)
 SESSION_LIVE_S = 120.0  # a session not heard from for this long no longer counts (the SDK beats every 10 s)
 SESSION_EXPIRE_S = 600.0  # ... and is ended after this long, its ephemeral weights deleted
 SWEEP_EVERY_S = 60.0
