@@ -512,6 +512,8 @@ def test_an_sft_job_trains_the_assistants_tokens_through_the_same_loop(stack, tm
     bad = tmp_path / "bad.jsonl"
     bad.write_text(data.read_text().splitlines()[0] + "\n" + json.dumps({"messages": [
         {"role": "user", "content": "hi"}]}) + "\n")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say {w}.", "answer": w}) + "\n" for w in words))
 
     async def go():
         client = await BusClient.connect(stack.nats_url)
@@ -528,7 +530,23 @@ def test_an_sft_job_trains_the_assistants_tokens_through_the_same_loop(stack, tm
             await client.submit({"name": "rl", "task": "reverse", "steps": 1, "init_from": f"{job}@12"})
         rl = await client.submit({"name": "rl-after-sft", "task": "reverse", "steps": 1, "seed": 4,
                                   "init_from": job.split(".", 1)[1] + "@latest"})  # the id without the tenant
-        (after,) = await client.wait([rl], timeout_s=300)
+        # a follow-up ('then') is checked with its job, and one that cannot start leaves its reason
+        agent = {"task": "agent", "steps": 1, "dataset": str(prompts), "reward": "contains"}
+        with pytest.raises(ApiError) as bad_then:
+            await client.submit({"name": "x", "task": "sft", "dataset": str(data), "steps": 1,
+                                 "then": {**agent, "dataset": str(tmp_path / "missing.jsonl")}})
+        chained = await client.submit({"name": "chained", "task": "sft", "dataset": str(data), "steps": 1,
+                                       "then": {**agent, "tools": ["default.nobody_serves_this"]}})
+        (after, first_of_chain) = await client.wait([rl, chained], timeout_s=300)
+        for _ in range(60):  # the reason is noted right after the job completed
+            (first_of_chain,) = await client.status(chained)
+            if first_of_chain.reason:
+                break
+            await asyncio.sleep(0.5)
+        assert "then: " in str(bad_then.value) and "missing.jsonl" in str(bad_then.value), bad_then.value
+        assert first_of_chain.state == "completed" and not first_of_chain.followed_by, first_of_chain
+        assert "follow-up ('then') was not started" in first_of_chain.reason
+        assert "default.nobody_serves_this" in first_of_chain.reason, first_of_chain.reason
         firsts = {}
         for name in (job, rl):
             firsts[name] = [POLICY.decode(d) for d in await client.bus.read_all(
