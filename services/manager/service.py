@@ -27,7 +27,8 @@ import msgspec
 import structlog
 
 from marlaas.platform import api, subjects
-from marlaas.platform.adapters import init_adapter, write_adapter
+from marlaas.platform.adapter_uploads import adapter_problem_on_base, is_adapter_id
+from marlaas.platform.adapters import init_adapter, linear_module_names, write_adapter
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery, StaleRevision
 from marlaas.platform.commits import announce
 from marlaas.platform.config import Config
@@ -67,17 +68,6 @@ from services.manager.warm_start import lora_of, resolve_init, servable_problem
 
 log = structlog.get_logger("manager")
 GC_EVERY = 5  # versions between garbage collections of a job's stored objects
-
-
-def linear_module_names(model_dir) -> set[str]:
-    """Names LoRA can target: the base model's linear layers (built on the meta device: no weights)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and name != "lm_head"}
 
 
 class Unadmittable(Exception):
@@ -203,6 +193,11 @@ class Manager:
             await self.check_reward_served(record.spec)
             warm = (await resolve_init(self.bus, self.store, record.spec.tenant, record.spec.init_from)
                     if record.spec.init_from else None)
+            if warm and is_adapter_id(record.spec.init_from):  # a tenant's file: checked against this base
+                problem = await asyncio.to_thread(adapter_problem_on_base, *warm, base_model_dir=self.model_dir,
+                                                  max_rank=self.facts.max_lora_rank)
+                if problem:
+                    raise api.SubmitError(f"init_from {record.spec.init_from!r}: {problem}")
             if warm and (problem := servable_problem(warm[0], self.facts.max_lora_rank, self.facts.lora_targets)):
                 raise api.SubmitError(f"init_from {record.spec.init_from!r}: {problem}")
         except (api.SubmitError, msgspec.DecodeError) as exc:

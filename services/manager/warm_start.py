@@ -4,7 +4,9 @@
 
 - jobs, at a committed version: ``"JOB@VERSION"`` or ``"JOB@latest"`` (JOB its id, or its id
   without the tenant's prefix);
-- Tinker checkpoints: ``"tinker://<model>/<weights|sampler_weights>/<name>"`` (docs/tinker.md).
+- Tinker checkpoints: ``"tinker://<model>/<weights|sampler_weights>/<name>"`` (docs/tinker.md);
+- uploaded PEFT adapters: ``"adapter-..."`` (``POST /v1/adapters``; checked at upload and again
+  here against this stack's base: :func:`marlaas.platform.adapter_uploads.adapter_problem_on_base`).
 
 Another tenant's job or checkpoint is answered as a missing one. The new job's adapter shape
 (rank, alpha, target modules) is the source's, which must be one the engine serves
@@ -20,14 +22,15 @@ import json
 from dataclasses import dataclass
 
 from marlaas.platform import api, subjects, tinker_records
+from marlaas.platform.adapter_uploads import is_adapter_id, read_uploaded_adapter
 from marlaas.platform.adapters import read_adapter
 from marlaas.platform.bus import VERSIONS_BUCKET, Bus
 from marlaas.platform.events import COMMITTED, POLICY, Blob, LoraSettings
 from marlaas.platform.store import ObjectNotFound, ObjectStore
 from marlaas.platform.tinker_records import TinkerCheckpoint
 
-FORMS = ("JOB@VERSION (a version number) or JOB@latest, JOB one of your jobs, or a Tinker checkpoint's "
-         "tinker://... path")
+FORMS = ("JOB@VERSION (a version number) or JOB@latest, JOB one of your jobs; a Tinker checkpoint's "
+         "tinker://... path; or an uploaded adapter's id (adapter-...)")
 MAX_CHECKPOINT_PATH_CHARS = 512
 
 
@@ -36,6 +39,7 @@ class InitSource:
     job: str = ""  # the source job's id
     version: int | None = None  # None: its latest committed version
     checkpoint: str = ""  # or a Tinker checkpoint's tinker:// path
+    adapter: str = ""  # or an uploaded adapter's id
 
 
 def parse_init_from(value: str, tenant: str) -> InitSource:
@@ -46,6 +50,8 @@ def parse_init_from(value: str, tenant: str) -> InitSource:
                                   "tinker://<model>/<weights|sampler_weights>/<name> (save_state or "
                                   "save_weights_for_sampler answers it)")
         return InitSource(checkpoint=value)
+    if is_adapter_id(value):
+        return InitSource(adapter=value)
     job, at, version = value.strip().rpartition("@")
     if not at or not job:
         raise api.SubmitError(f"init_from {value!r}: write {FORMS}")
@@ -82,6 +88,12 @@ async def resolve_init(bus: Bus, store: ObjectStore, tenant: str, value: str) ->
     source = parse_init_from(value, tenant)
     if source.checkpoint:
         return await checkpoint_weights(bus, store, tenant, source.checkpoint)
+    if source.adapter:
+        files = await asyncio.to_thread(read_uploaded_adapter, store, tenant, source.adapter)
+        if files is None:  # another tenant's reads as missing
+            raise api.SubmitError(f"init_from {value!r}: no adapter of yours with that id (GET /v1/adapters "
+                                  "lists them; `marlaas submit` uploads a local directory named in init_from)")
+        return files
     missing = api.SubmitError(f"init_from {value!r}: no job {source.job!r} of yours (`marlaas status` lists them)")
     if not source.job.startswith(f"{tenant}."):
         raise missing  # another tenant's job: answered exactly as a missing one

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from marlaas.platform.audit import MAX_LOGPROB_GAP, audit_training, gaps_by_version
 from marlaas.platform.bus import Bus
@@ -500,6 +501,40 @@ def test_old_versions_and_orphans_are_garbage_collected(stack):
     assert all(len(list((store / "adapters" / view.id / v).iterdir())) == 1 for v in versions("adapters"))
 
 
+def check_an_uploaded_adapter_starts_a_job(stack, job: str, tmp_path: Path) -> None:
+    """``init_from`` a local PEFT directory: the SDK uploads it (``POST /v1/adapters``) and the
+    job's version 0 holds its tensors; another tenant naming the id is refused as missing."""
+    from safetensors.torch import load_file
+
+    from marlaas.sdk import Client
+
+    url = (stack.run_dir / "gateway.url").read_text().strip()
+    token = (stack.run_dir / "default-tenant.token").read_text().strip()
+    with Client(url, token) as client:
+        source = client.download(job, tmp_path / "pulled")  # its last version, as `marlaas pull` writes it
+        started = client.submit({"name": "from-upload", "task": "reverse", "steps": 1, "seed": 7,
+                                 "init_from": str(source)})
+        (uploaded,) = client.adapters()
+        deadline = time.monotonic() + 300
+        while client.job(started).state in ("queued", "running"):
+            assert time.monotonic() < deadline, client.job(started)
+            time.sleep(1)
+        assert client.job(started).state == "completed", client.job(started)
+        start = client.download(started, tmp_path / "v0", version=0)
+    ours, theirs = (load_file(d / "adapter_model.safetensors") for d in (start, source))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+    async def stolen():
+        bus_client = await BusClient.connect(stack.nats_url)
+        try:
+            await bus_client.submit({"task": "reverse", "steps": 1, "tenant": "other", "init_from": uploaded.id})
+        finally:
+            await bus_client.close()
+
+    with pytest.raises(ApiError, match="no adapter of yours"):
+        run(stolen())
+
+
 def test_an_sft_job_trains_the_assistants_tokens_through_the_same_loop(stack, tmp_path):
     """``task = "sft"``: the tenant's conversations go through the RL loop's own path (announce,
     a batch on the trajectory stream, the trainer's step, commit): versions 0..N exactly once,
@@ -559,6 +594,7 @@ def test_an_sft_job_trains_the_assistants_tokens_through_the_same_loop(stack, tm
         return str(refused.value), view
 
     refusal, view = run(go())
+    check_an_uploaded_adapter_starts_a_job(stack, view.id, tmp_path)
     assert "bad.jsonl:2: " in refusal and "no assistant turn" in refusal, refusal
     assert view.state == "completed" and view.version == 9, view  # 12 rows x 3 epochs / 4 a step
     losses = view.metrics["loss"]

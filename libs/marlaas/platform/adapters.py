@@ -67,6 +67,17 @@ def lora_config(settings: LoraSettings):
     )
 
 
+def linear_module_names(model_dir) -> set[str]:
+    """Names LoRA can target: the base model's linear layers (built on the meta device: no weights)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and name != "lm_head"}
+
+
 def init_adapter(base_model_dir: Path, settings: LoraSettings, seed: int) -> tuple[bytes, bytes]:
     """Version 0 of a job: PEFT's default LoRA init (A ~ Kaiming-uniform, B = 0), seeded.
 

@@ -109,6 +109,26 @@ class FileDeleted(msgspec.Struct, kw_only=True, frozen=True):
     deleted: bool = True
 
 
+class AdapterInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """One uploaded LoRA adapter of the tenant (``POST /v1/adapters``, ``GET /v1/adapters``): a
+    PEFT directory a job starts from with ``init_from = "adapter-..."``. The id comes from the
+    content: the same two files uploaded again are the same adapter."""
+
+    id: str
+    rank: int  # the config's r
+    alpha: int  # the config's lora_alpha
+    target_modules: list[str]
+    size: int  # bytes of both files
+    sha256: str  # of adapter_model.safetensors
+    name: str = ""  # what the uploader called it (shown only; the first upload's name stays)
+    created_at: float = 0.0
+
+
+class AdapterDeleted(msgspec.Struct, kw_only=True, frozen=True):
+    id: str
+    deleted: bool = True
+
+
 class Submitted(msgspec.Struct, kw_only=True, frozen=True):
     id: str
 

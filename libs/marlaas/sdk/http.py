@@ -11,6 +11,8 @@
 A job's data (``dataset``, ``corpus``, ``eval_dataset``) is named by uploaded file id: ``submit``
 uploads each local file a job names (once per content: a file the tenant already has is reused
 by its sha256) and sends the id; ``upload`` / ``files`` / ``delete_file`` manage them directly.
+Likewise a job's ``init_from`` naming a local PEFT adapter directory: ``submit`` uploads it
+(``upload_adapter``) and sends its id (``adapter-...``).
 
 Every refusal raises a :class:`MarlaasError` subclass carrying the server's message,
 which says what to fix.
@@ -19,6 +21,7 @@ which says what to fix.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import tarfile
 import tempfile
@@ -31,8 +34,12 @@ from pathlib import Path
 import httpx
 import msgspec
 
+from marlaas.platform.adapter_uploads import adapter_id_of, is_adapter_id
+from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE
 from marlaas.platform.http_api import (
     PATH_FIELDS,
+    AdapterDeleted,
+    AdapterInfo,
     Cancelled,
     Deleted,
     Event,
@@ -108,9 +115,19 @@ def with_absolute_paths(job: dict, folder: Path) -> dict:
     for key in PATH_FIELDS:
         if isinstance(job.get(key), str) and not is_file_id(job[key]):
             job[key] = str((folder / Path(job[key]).expanduser()).resolve())
+    if looks_like_path(job.get("init_from")):  # a local adapter directory, uploaded at submit
+        job["init_from"] = str((folder / Path(job["init_from"]).expanduser()).resolve())
     if isinstance(job.get("then"), dict):
         job["then"] = with_absolute_paths(job["then"], folder)
     return job
+
+
+def looks_like_path(init_from: object) -> bool:
+    """Whether a job's ``init_from`` names a local directory rather than a job's version
+    (``JOB@VERSION`` never holds a '/'), a Tinker checkpoint (``tinker://...``) or an uploaded
+    adapter (``adapter-...``)."""
+    return (isinstance(init_from, str) and not init_from.startswith("tinker://")
+            and ("/" in init_from or init_from.startswith((".", "~"))))
 
 
 def parse_sse(lines: Iterator[str]) -> Iterator[Event]:
@@ -211,9 +228,13 @@ class Client:
     def with_uploaded_data(self, job: dict) -> dict:
         """``job`` with each local path in its data fields (relative to the working directory, or
         to the job file) replaced by the id of that file uploaded: a file the tenant already has
-        (the same sha256) is not sent again."""
+        (the same sha256) is not sent again. An ``init_from`` naming a local directory (a PEFT
+        adapter) is replaced by the id of that adapter uploaded, likewise once."""
         if isinstance(job.get("then"), dict):  # a follow-up's data too
             job = {**job, "then": self.with_uploaded_data(job["then"])}
+        init = job.get("init_from")
+        if isinstance(init, str) and not is_adapter_id(init) and (looks_like_path(init) or Path(init).is_dir()):
+            job = {**job, "init_from": self._uploaded_adapter(init)}
         local = {key: job[key] for key in PATH_FIELDS
                  if isinstance(job.get(key), str) and job[key] and not is_file_id(job[key])}
         if not local:
@@ -233,6 +254,47 @@ class Client:
                 held[digest] = self._upload_bytes(data, path.name).id
             uploaded[key] = held[digest]
         return {**job, **uploaded}
+
+    def _uploaded_adapter(self, value: str) -> str:
+        """The id of the adapter in the local directory ``value`` (an ``init_from``), uploaded
+        unless the tenant has it already."""
+        folder = Path(value).expanduser()
+        if not folder.is_dir():
+            raise BadRequest(f"init_from = {value!r}: no such local directory: give the PEFT adapter directory "
+                             "(relative to the job file), an uploaded adapter's id (adapter-...), JOB@VERSION or a "
+                             "tinker:// path")
+        config_json, weights = _adapter_files(folder)
+        adapter_id = adapter_id_of(config_json, weights)
+        if adapter_id in {a.id for a in self.adapters()}:
+            return adapter_id
+        return self._upload_adapter_files(config_json, weights, folder.name).id
+
+    def upload_adapter(self, path: str | os.PathLike, name: str = "") -> AdapterInfo:
+        """Upload a local PEFT LoRA adapter directory (``adapter_config.json`` and
+        ``adapter_model.safetensors``, as peft's ``save_pretrained`` writes it); a job starts from
+        it with ``init_from`` = the ``id`` returned."""
+        folder = Path(path).expanduser()
+        return self._upload_adapter_files(*_adapter_files(folder), name or folder.name)
+
+    def _upload_adapter_files(self, config_json: bytes, weights: bytes, name: str) -> AdapterInfo:
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+            for member, data in ((CONFIG_FILE, config_json), (WEIGHTS_FILE, weights)):
+                info = tarfile.TarInfo(member)
+                info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
+                tar.addfile(info, io.BytesIO(data))
+        reply = self._request("POST", "/v1/adapters", params={"name": name}, content=buffer.getvalue(),
+                              headers={"Content-Type": "application/gzip"})
+        return msgspec.json.decode(reply.content, type=AdapterInfo)
+
+    def adapters(self) -> list[AdapterInfo]:
+        """Your uploaded adapters, oldest first."""
+        return self._get("/v1/adapters", list[AdapterInfo])
+
+    def delete_adapter(self, adapter_id: str) -> bool:
+        """Delete one of your uploaded adapters."""
+        reply = self._request("DELETE", f"/v1/adapters/{adapter_id}")
+        return msgspec.json.decode(reply.content, type=AdapterDeleted).deleted
 
     def upload(self, path: str | os.PathLike) -> FileInfo:
         """Upload a local JSONL file (a dataset or a corpus); a job names it by the ``id`` returned."""
@@ -316,6 +378,16 @@ class Client:
         except httpx.TransportError as exc:
             raise ServerError(f"the event stream from {self.url} broke ({exc}): resume with the last "
                               "event's id") from exc
+
+
+def _adapter_files(folder: Path) -> tuple[bytes, bytes]:
+    """The (config JSON, weights) of the PEFT adapter directory ``folder``."""
+    try:
+        return (folder / CONFIG_FILE).read_bytes(), (folder / WEIGHTS_FILE).read_bytes()
+    except OSError as exc:
+        raise BadRequest(f"{folder} is not a PEFT adapter directory: cannot read {Path(exc.filename).name} "
+                         f"({exc.strerror}); it needs {CONFIG_FILE} and {WEIGHTS_FILE}, as peft's "
+                         "save_pretrained writes them") from None
 
 
 def _read_marker(path: Path, what: str) -> str:

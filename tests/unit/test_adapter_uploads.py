@@ -1,0 +1,243 @@
+"""Uploaded LoRA adapters (issue 38): the checks that an untrusted PEFT directory is one a job can
+start from, the reading of its .tar.gz, and its round trip through a tenant's part of the store."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import tarfile
+
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from marlaas.basemodel import builtin_model_dir
+from marlaas.platform import adapter_uploads
+from marlaas.platform.adapter_uploads import (
+    AdapterRefused,
+    adapter_id_of,
+    adapter_problem,
+    adapter_problem_on_base,
+    base_lora_targets,
+    delete_adapter,
+    fresh_adapter_shapes,
+    is_adapter_id,
+    list_adapters,
+    put_adapter,
+    read_adapter_archive,
+    read_uploaded_adapter,
+    tensor_shapes,
+)
+from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE, init_adapter
+from marlaas.platform.events import LoraSettings
+from marlaas.platform.store import open_store
+from services.gateway.views import adapter_archive
+
+TARGETS = ("q_proj", "v_proj")
+MAX_RANK = 32
+
+
+@pytest.fixture(scope="module")
+def good() -> tuple[bytes, bytes]:
+    """A rank-4 adapter of q_proj and v_proj on the built-in base, as PEFT would save it."""
+    return init_adapter(builtin_model_dir(), LoraSettings(rank=4, target_modules=TARGETS), seed=0)
+
+
+@pytest.fixture(scope="module")
+def facts() -> dict:
+    """What adapter_problem is given: the engine's rank bound, the base's linear layers, a fresh adapter's shapes."""
+    base = str(builtin_model_dir())
+    return {"max_rank": MAX_RANK, "lora_targets": base_lora_targets(base),
+            "expected_shapes": fresh_adapter_shapes(base, 4, TARGETS)}
+
+
+def config_with(good_config: bytes, **changes) -> bytes:
+    config = json.loads(good_config)
+    config.update(changes)
+    return json.dumps(config).encode()
+
+
+def reweighed(weights: bytes, change) -> bytes:
+    """``weights`` with their tensors passed through ``change`` (a dict of name -> tensor, edited in place)."""
+    tensors = load(weights)
+    change(tensors)
+    return save(tensors)
+
+
+def test_a_peft_adapter_of_the_base_model_passes_and_its_id_comes_from_both_files(good, facts):
+    config, weights = good
+    assert adapter_problem(config, weights, **facts) == ""
+    assert adapter_problem_on_base(config, weights, base_model_dir=builtin_model_dir(), max_rank=MAX_RANK) == ""
+    assert adapter_problem(config_with(config, lora_dropout=0.3), weights, **facts) == ""  # training-only
+    adapter_id = adapter_id_of(config, weights)
+    assert is_adapter_id(adapter_id) and len(adapter_id) == len("adapter-") + 32
+    assert adapter_id_of(config_with(config, lora_alpha=32), weights) != adapter_id
+    assert not is_adapter_id("adapter-../x") and not is_adapter_id("file-" + "0" * 32) and not is_adapter_id(None)
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"peft_type": "IA3"}, "not a LoRA config (its peft_type is 'IA3'"),
+    ({"r": 0}, "r is 0, and this stack serves LoRA ranks 1..32"),
+    ({"r": 64}, "r is 64, and this stack serves LoRA ranks 1..32 (rollout.max_lora_rank)"),
+    ({"r": "4"}, "r is '4'"),
+    ({"lora_alpha": 0.5}, "lora_alpha is 0.5: a job's LoRA alpha is a positive whole number"),
+    ({"target_modules": ".*proj"}, "target_modules is the pattern '.*proj': list the modules instead"),
+    ({"target_modules": []}, "target_modules must list the adapted modules"),
+    ({"target_modules": ["q_proj", "c_attn"]}, "target_modules ['c_attn'] are not linear layers of this stack's"),
+    ({"use_dora": True}, "use_dora is set (DoRA), and this stack serves plain LoRA only"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save is set"),
+    ({"use_rslora": True}, "use_rslora is set"),
+    ({"rank_pattern": {"q_proj": 8}}, "rank_pattern is set (per-module ranks)"),
+    ({"bias": "lora_only"}, "bias is 'lora_only', and this stack serves plain LoRA only"),
+])
+def test_a_config_the_stack_cannot_train_or_serve_is_refused_saying_why(good, facts, changes, says):
+    config, weights = good
+    assert says in adapter_problem(config_with(config, **changes), weights, **facts)
+
+
+@pytest.mark.parametrize("config, says", [
+    (b"{not json", "adapter_config.json is not JSON"),
+    (b"[1, 2]", "not a LoRA config"),
+    (b"[" * 100_000, "adapter_config.json is not JSON"),  # nesting deeper than the parser's recursion
+    (b" " * (adapter_uploads.MAX_CONFIG_BYTES + 1), "adapter_config.json is larger than"),
+])
+def test_a_config_that_is_not_a_json_object_is_refused(good, facts, config, says):
+    assert says in adapter_problem(config, good[1], **facts)
+
+
+def test_weights_that_are_not_a_safetensors_file_are_refused_without_running_them(good, facts):
+    config, weights = good
+    pickled = pickle.dumps({"base_model.model.lora_A.weight": [0.0]})  # what torch.save writes: never loaded
+    for data, says in [(pickled, "is not a safetensors file"), (b"", "only 0 bytes"),
+                       (weights[:-4], "truncated?"), (b"\xff" * 8 + weights[8:], "its header would be"),
+                       (len(b"[1]").to_bytes(8, "little") + b"[1]", "not a JSON object")]:
+        assert says in adapter_problem(config, data, **facts), says
+
+
+def test_weights_over_the_size_limit_are_refused_before_they_are_parsed(good, facts, monkeypatch):
+    monkeypatch.setattr(adapter_uploads, "MAX_ADAPTER_BYTES", len(good[1]) - 1)
+    assert "is larger than" in adapter_problem(good[0], good[1], **facts)
+
+
+def test_a_header_that_lies_about_its_data_is_refused(good, facts):
+    config, weights = good
+    header_len = int.from_bytes(weights[:8], "little")
+    header = json.loads(weights[8:8 + header_len])
+    name = next(n for n in header if n != "__metadata__")
+    header[name]["data_offsets"][1] += 4  # claims more bytes than its shape
+    forged = json.dumps(header).encode()
+    assert "is malformed" in adapter_problem(config, len(forged).to_bytes(8, "little") + forged
+                                             + weights[8 + header_len:], **facts)
+
+
+def test_tensors_that_are_not_the_lora_weights_of_the_config_are_refused(good, facts):
+    config, weights = good
+    a_name = sorted(tensor_shapes(weights))[0]
+    cases = [
+        (lambda t: t.update({"base_model.model.lm_head.weight": torch.zeros(2, 2)}),
+         "'base_model.model.lm_head.weight' is not the lora_A or lora_B weight"),
+        (lambda t: t.update({k: torch.zeros(8, v.shape[1]) for k, v in t.items() if "lora_A" in k}),
+         "is shaped (8, 128), not (r, in_features) with r = 4"),
+        (lambda t: t.pop(a_name.replace("lora_A", "lora_B")), "has a lora_A or a lora_B weight but not both"),
+        (lambda t: t.update({a_name: t[a_name].to(torch.int32)}), "is I32, not one of"),
+        (lambda t: t.clear(), "holds no tensor"),
+    ]
+    for change, says in cases:
+        assert says in adapter_problem(config, reweighed(weights, change), **facts), says
+
+
+def test_an_adapter_trained_on_another_base_model_is_refused(good, facts):
+    config, weights = good
+    wider = reweighed(weights, lambda t: t.update({k: torch.zeros(4, 256) for k in t if "lora_A" in k}))
+    assert adapter_problem(config, wider, **{**facts, "expected_shapes": None}) == ""  # fits its own config
+    assert "this stack's base model needs (4, 128): the adapter was trained on another base model" in \
+        adapter_problem(config, wider, **facts)
+    fewer = reweighed(weights, lambda t: [t.pop(k) for k in list(t) if ".layers.3." in k])
+    assert "lacks 4 of the 16 tensors" in adapter_problem(config, fewer, **facts)
+    deeper = reweighed(weights, lambda t: t.update({k.replace(".layers.3.", ".layers.9."): v.clone()
+                                                    for k, v in t.items()}))
+    assert "tensors that no layer of this stack's base model has" in adapter_problem(config, deeper, **facts)
+    assert "trained on another base model" in adapter_problem_on_base(config, wider, base_model_dir=builtin_model_dir(),
+                                                                      max_rank=MAX_RANK)
+
+
+def tar_gz(*members: tuple[tarfile.TarInfo, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for info, data in members:
+            info.size = len(data) if info.isfile() else 0
+            tar.addfile(info, io.BytesIO(data) if info.isfile() else None)
+    return buffer.getvalue()
+
+
+def member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, link
+    return info
+
+
+def test_the_archive_marlaas_pull_downloads_reads_back_as_its_two_files(good):
+    assert read_adapter_archive(io.BytesIO(adapter_archive(*good, 0.0))) == good
+    folder = tar_gz((member("out", tarfile.DIRTYPE), b""), (member("out/README.md"), b"# model card"),
+                    (member(f"out/{CONFIG_FILE}"), good[0]), (member(f"out/{WEIGHTS_FILE}"), good[1]))
+    assert read_adapter_archive(io.BytesIO(folder)) == good  # a folder of it, PEFT's README skipped
+
+
+@pytest.mark.parametrize("members, says", [
+    ([(member(CONFIG_FILE, tarfile.SYMTYPE, "/etc/passwd"), b"")], "is a link (to '/etc/passwd')"),
+    ([(member(WEIGHTS_FILE, tarfile.LNKTYPE, CONFIG_FILE), b"")], "is a link"),
+    ([(member(f"../{CONFIG_FILE}"), b"{}")], "leaves the archive's folder"),
+    ([(member(f"/tmp/{CONFIG_FILE}"), b"{}")], "leaves the archive's folder"),
+    ([(member("fifo", tarfile.FIFOTYPE), b"")], "is not a regular file or folder"),
+    ([(member(CONFIG_FILE), b"{}"), (member(f"again/{CONFIG_FILE}"), b"{}")], "holds adapter_config.json twice"),
+    ([(member(CONFIG_FILE), b" " * (adapter_uploads.MAX_CONFIG_BYTES + 1))],
+     "adapter_config.json is larger than 1 MiB"),
+    ([(member(CONFIG_FILE), b"{}")], "the archive has no adapter_model.safetensors"),
+    ([(member(f"d{i}", tarfile.DIRTYPE), b"") for i in range(17)], "more than 16 members"),
+])
+def test_a_hostile_or_wrong_archive_is_refused_naming_what_is_wrong(members, says):
+    with pytest.raises(AdapterRefused, match=says.replace("(", r"\(").replace(")", r"\)")):
+        read_adapter_archive(io.BytesIO(tar_gz(*members)))
+
+
+def test_bytes_that_are_not_a_tar_gz_are_refused():
+    plain = io.BytesIO()
+    with tarfile.open(fileobj=plain, mode="w") as tar:
+        tar.addfile(member("x"), io.BytesIO(b""))
+    for body in (b"", b"garbage, not gzip", plain.getvalue(), tar_gz((member("x"), b"x" * 4096))[:-20]):
+        with pytest.raises(AdapterRefused, match="the body is not a .tar.gz archive"):
+            read_adapter_archive(io.BytesIO(body))
+
+
+def test_an_archive_that_unpacks_past_the_bound_is_stopped_there(monkeypatch):
+    monkeypatch.setattr(adapter_uploads, "MAX_ARCHIVE_BYTES", 64 * 1024)
+    bomb = tar_gz((member("README.md"), b"\0" * (1 << 20)))  # 1 MiB of zeros gzips to ~1 KiB
+    assert len(bomb) < 8 * 1024
+    with pytest.raises(AdapterRefused, match="unpacks to more than 65536 bytes"):
+        read_adapter_archive(io.BytesIO(bomb))
+
+
+def test_a_tenants_adapters_round_trip_through_its_part_of_the_store_only(good, tmp_path):
+    store = open_store(f"file://{tmp_path}/store")
+    config, weights = good
+    info = put_adapter(store, "alice", config, weights, name="warm")
+    assert (info.id, info.rank, info.alpha) == (adapter_id_of(config, weights), 4, 16)
+    assert info.target_modules == list(TARGETS)
+    assert info.size == len(config) + len(weights) and info.name == "warm"
+    assert put_adapter(store, "alice", config, weights, name="again") == info  # the same files: the first record
+    other = put_adapter(store, "alice", config_with(config, lora_alpha=8), weights)
+    assert read_uploaded_adapter(store, "alice", info.id) == good
+    assert [a.id for a in list_adapters(store, "alice")] == [info.id, other.id]
+    assert read_uploaded_adapter(store, "bob", info.id) is None  # another tenant's reads as missing
+    assert list_adapters(store, "bob") == [] and not delete_adapter(store, "bob", info.id)
+    assert read_uploaded_adapter(store, "alice", "adapter-../../files") is None
+    assert delete_adapter(store, "alice", info.id)
+    assert read_uploaded_adapter(store, "alice", info.id) is None and not delete_adapter(store, "alice", info.id)
+    assert [a.id for a in list_adapters(store, "alice")] == [other.id]
+    assert not [k for k in store.list(f"uploaded-adapters/alice/{info.id}")]  # its files went with it
+
+
+def test_put_adapter_refuses_a_config_that_is_not_lora(good, tmp_path):
+    with pytest.raises(AdapterRefused, match="not a LoRA config"):
+        put_adapter(open_store(f"file://{tmp_path}/store"), "alice", b"{}", good[1])
