@@ -23,12 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 import tempfile
-import time
 from pathlib import Path
 
-import msgspec
 from litestar import Request, delete, get, post
 
 from marlaas.platform.adapter_uploads import (
@@ -43,19 +40,17 @@ from marlaas.platform.adapter_uploads import (
     read_adapter_archive,
     read_adapter_record,
 )
-from marlaas.platform.bus import StaleRevision
 from marlaas.platform.config import Config
-from marlaas.platform.files import FILES_BUCKET, FileHoldings, plan_reservation
 from marlaas.platform.http_api import AdapterDeleted, AdapterInfo
 from marlaas.platform.store import make_private_dirs
 from marlaas.platform.tenants import TenantRecord
-from services.gateway.app import ApiError, Gateway, Slots, gateway_of
+from services.gateway.app import ApiError, Slots, gateway_of
+from services.gateway.files import Quota
 
 MAX_BODY_BYTES = MAX_ARCHIVE_BYTES  # an upload as sent (gzip barely shrinks float weights)
 WRITE_BYTES = 1 << 20  # the body goes to its temp file in pieces of about this size, off the event loop
 MAX_ADAPTER_UPLOADS = 4  # adapters one replica checks at once (each up to ~256 MiB of weights in memory)
 MAX_ADAPTER_UPLOADS_PER_TENANT = 1  # of those, one tenant's
-CAS_TRIES = 100  # compare-and-set rounds on a tenant's holdings: each round one of its racing uploads wins
 CHECKS = Slots("adapter uploads", MAX_ADAPTER_UPLOADS_PER_TENANT, "MAX_ADAPTER_UPLOADS_PER_TENANT",
                MAX_ADAPTER_UPLOADS, "MAX_ADAPTER_UPLOADS")  # per replica, like gateway.uploads
 
@@ -125,11 +120,11 @@ async def upload_adapter(request: Request, tenant: TenantRecord, name: str = "")
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
         adapter_id = adapter_id_of(config_json, weights)
-        await reserve(gateway, tenant.name, adapter_id)
+        await ADAPTER_QUOTA.reserve(gateway, tenant.name, adapter_id)
         try:
             return await asyncio.to_thread(put_adapter, gateway.store, tenant.name, config_json, weights, name)
         except BaseException:
-            await release(gateway, tenant.name, adapter_id)
+            await ADAPTER_QUOTA.release(gateway, tenant.name, adapter_id)
             raise
 
 
@@ -139,59 +134,10 @@ def holdings_key(tenant: str) -> str:
     return f"{tenant}.adapters"
 
 
-async def _holdings(gateway: Gateway, tenant: str) -> tuple[dict[str, float], int]:
-    """The tenant's adapter holdings and their KV revision (0: none yet; then its stored adapters)."""
-    entry = await gateway.bus.kv_get(FILES_BUCKET, holdings_key(tenant))
-    if entry is None:
-        return {a.id: a.created_at for a in await asyncio.to_thread(list_adapters, gateway.store, tenant)}, 0
-    return msgspec.json.decode(entry.value, type=FileHoldings).files, entry.revision
-
-
-async def _write_holdings(gateway: Gateway, tenant: str, held: dict[str, float], revision: int) -> bool:
-    """Compare-and-set the holdings; False when another upload or deletion wrote first."""
-    value = msgspec.json.encode(FileHoldings(files=held))
-    try:
-        if revision:
-            await gateway.bus.kv_update(FILES_BUCKET, holdings_key(tenant), value, revision)
-        else:
-            await gateway.bus.kv_create(FILES_BUCKET, holdings_key(tenant), value)
-    except StaleRevision:
-        await asyncio.sleep(random.uniform(0.0, 0.02))  # racing uploads spread out their next round
-        return False
-    return True
-
-
-async def reserve(gateway: Gateway, tenant: str, adapter_id: str) -> None:
-    """Count ``adapter_id`` among the tenant's adapters (a no-op if it is already); a 429 at the cap."""
-    for _ in range(CAS_TRIES):
-        held, revision = await _holdings(gateway, tenant)
-        now = time.time()
-        plan = plan_reservation(held, adapter_id, MAX_ADAPTERS_PER_TENANT, now)
-        if plan is None:  # full: look whether some places are held by uploads that never finished
-            stored = {a.id for a in await asyncio.to_thread(list_adapters, gateway.store, tenant)}
-            plan = plan_reservation(held, adapter_id, MAX_ADAPTERS_PER_TENANT, now, stored)
-        if plan is None:
-            raise ApiError(429, f"you already have {MAX_ADAPTERS_PER_TENANT} adapters, the most a tenant may: "
-                                "delete one you no longer need (DELETE /v1/adapters/{id}; GET /v1/adapters lists "
-                                "them), then upload again")
-        if adapter_id in held or await _write_holdings(gateway, tenant, plan, revision):
-            return
-    raise ApiError(503, "too many of your uploads and deletions changed your adapter list at once: retry in a moment")
-
-
-async def release(gateway: Gateway, tenant: str, adapter_id: str) -> None:
-    """Stop counting ``adapter_id``, unless it is stored (the same adapter, by another upload)."""
-    for _ in range(CAS_TRIES):
-        entry = await gateway.bus.kv_get(FILES_BUCKET, holdings_key(tenant))
-        if entry is None:
-            return
-        held = msgspec.json.decode(entry.value, type=FileHoldings).files
-        if adapter_id not in held or await asyncio.to_thread(read_adapter_record, gateway.store, tenant, adapter_id):
-            return
-        rest = {a: at for a, at in held.items() if a != adapter_id}
-        if await _write_holdings(gateway, tenant, rest, entry.revision):
-            return
-    # left counted: the next upload at the cap drops it once RESERVATION_GRACE_S has passed
+ADAPTER_QUOTA = Quota(key=holdings_key, cap=lambda gateway: MAX_ADAPTERS_PER_TENANT, stored=list_adapters,
+                      is_stored=read_adapter_record, kind="adapter",
+                      full=("you already have {cap} adapters, the most a tenant may: delete one you no longer "
+                            "need (DELETE /v1/adapters/{{id}}; GET /v1/adapters lists them), then upload again"))
 
 
 @get("/adapters", summary="Your uploaded LoRA adapters, oldest first")
@@ -205,7 +151,7 @@ async def remove_adapter(request: Request, tenant: TenantRecord, adapter_id: str
     gateway = gateway_of(request)
     if not await asyncio.to_thread(delete_adapter, gateway.store, tenant.name, adapter_id):
         raise adapter_not_found(adapter_id)
-    await release(gateway, tenant.name, adapter_id)
+    await ADAPTER_QUOTA.release(gateway, tenant.name, adapter_id)
     return AdapterDeleted(id=adapter_id)
 
 

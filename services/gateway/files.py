@@ -20,6 +20,8 @@ import os
 import random
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -40,7 +42,7 @@ from marlaas.platform.files import (
     too_big,
 )
 from marlaas.platform.http_api import FileDeleted, FileInfo
-from marlaas.platform.store import make_private_dirs
+from marlaas.platform.store import ObjectStore, make_private_dirs
 from marlaas.platform.tenants import TenantRecord
 from services.gateway.app import ApiError, Gateway, gateway_of
 
@@ -108,69 +110,84 @@ async def store_upload(gateway: Gateway, tenant: str, path: Path, sha256: str, r
     """Take the file's place in the tenant's quota, then store it; the place is given back if
     storing fails."""
     file_id = f"file-{sha256[:32]}"
-    await reserve(gateway, tenant, file_id)
+    await FILE_QUOTA.reserve(gateway, tenant, file_id)
     try:
         return await asyncio.to_thread(put_local_file, gateway.store, tenant, path, sha256, records, name)
     except BaseException:
-        await release(gateway, tenant, file_id)
+        await FILE_QUOTA.release(gateway, tenant, file_id)
         raise
 
 
-async def _holdings(gateway: Gateway, tenant: str) -> tuple[dict[str, float], int]:
-    """The tenant's holdings and their KV revision (0: none yet; then its stored files, which
-    uploads made before the holdings existed left)."""
-    entry = await gateway.bus.kv_get(FILES_BUCKET, tenant)
-    if entry is None:
-        return {f.id: f.created_at for f in await asyncio.to_thread(list_files, gateway.store, tenant)}, 0
-    return msgspec.json.decode(entry.value, type=FileHoldings).files, entry.revision
+@dataclass(frozen=True)
+class Quota:
+    """What a tenant may hold of one kind (its files, its adapters), counted in one entry of the
+    ``files`` bucket per tenant and taken by compare-and-set before a thing is stored, so that
+    uploads racing on any replicas cannot pass ``cap`` between a check and a write."""
 
+    key: Callable[[str], str]  # the tenant's entry
+    cap: Callable[[Gateway], int]
+    stored: Callable[[ObjectStore, str], list]  # the tenant's stored records (``id``, ``created_at``)
+    is_stored: Callable[[ObjectStore, str, str], object]  # one of them by id (falsy: not stored)
+    full: str  # the 429's text, ``{cap}`` filled in
+    kind: str  # "file", "adapter"
 
-async def _write_holdings(gateway: Gateway, tenant: str, held: dict[str, float], revision: int) -> bool:
-    """Compare-and-set the holdings; False when another upload or deletion wrote first."""
-    value = msgspec.json.encode(FileHoldings(files=held))
-    try:
-        if revision:
-            await gateway.bus.kv_update(FILES_BUCKET, tenant, value, revision)
-        else:
-            await gateway.bus.kv_create(FILES_BUCKET, tenant, value)
-    except StaleRevision:
-        await asyncio.sleep(random.uniform(0.0, 0.02))  # racing uploads spread out their next round
-        return False
-    return True
-
-
-async def reserve(gateway: Gateway, tenant: str, file_id: str) -> None:
-    """Count ``file_id`` in the tenant's quota (a no-op if it is already); a 429 at the quota."""
-    cap = gateway.config.gateway.max_files
-    for _ in range(CAS_TRIES):
-        held, revision = await _holdings(gateway, tenant)
-        now = time.time()
-        plan = plan_reservation(held, file_id, cap, now)
-        if plan is None:  # full: look whether some places are held by uploads that never finished
-            stored = {f.id for f in await asyncio.to_thread(list_files, gateway.store, tenant)}
-            plan = plan_reservation(held, file_id, cap, now, stored)
-        if plan is None:
-            raise ApiError(429, f"you already have {cap} files (gateway.max_files): delete one you no longer "
-                                "need (DELETE /v1/files/{id}; GET /v1/files lists them), then upload again")
-        if file_id in held or await _write_holdings(gateway, tenant, plan, revision):
-            return
-    raise ApiError(503, "too many of your uploads and deletions changed your file list at once: retry in a moment")
-
-
-async def release(gateway: Gateway, tenant: str, file_id: str) -> None:
-    """Stop counting ``file_id`` in the tenant's quota, unless it is stored (the same bytes, by
-    another upload)."""
-    for _ in range(CAS_TRIES):
-        entry = await gateway.bus.kv_get(FILES_BUCKET, tenant)
+    async def holdings(self, gateway: Gateway, tenant: str) -> tuple[dict[str, float], int]:
+        """The tenant's holdings and their KV revision (0: none yet; then what it has stored,
+        which uploads made before the holdings existed left)."""
+        entry = await gateway.bus.kv_get(FILES_BUCKET, self.key(tenant))
         if entry is None:
-            return
-        held = msgspec.json.decode(entry.value, type=FileHoldings).files
-        if file_id not in held or await asyncio.to_thread(read_file_record, gateway.store, tenant, file_id):
-            return
-        rest = {f: at for f, at in held.items() if f != file_id}
-        if await _write_holdings(gateway, tenant, rest, entry.revision):
-            return
-    # left counted: the next upload at the quota drops it once RESERVATION_GRACE_S has passed
+            return {r.id: r.created_at for r in await asyncio.to_thread(self.stored, gateway.store, tenant)}, 0
+        return msgspec.json.decode(entry.value, type=FileHoldings).files, entry.revision
+
+    async def write(self, gateway: Gateway, tenant: str, held: dict[str, float], revision: int) -> bool:
+        """Compare-and-set the holdings; False when another upload or deletion wrote first."""
+        value = msgspec.json.encode(FileHoldings(files=held))
+        try:
+            if revision:
+                await gateway.bus.kv_update(FILES_BUCKET, self.key(tenant), value, revision)
+            else:
+                await gateway.bus.kv_create(FILES_BUCKET, self.key(tenant), value)
+        except StaleRevision:
+            await asyncio.sleep(random.uniform(0.0, 0.02))  # racing uploads spread out their next round
+            return False
+        return True
+
+    async def reserve(self, gateway: Gateway, tenant: str, ident: str) -> None:
+        """Count ``ident`` in the tenant's holdings (a no-op if it is already); a 429 at the cap."""
+        cap = self.cap(gateway)
+        for _ in range(CAS_TRIES):
+            held, revision = await self.holdings(gateway, tenant)
+            now = time.time()
+            plan = plan_reservation(held, ident, cap, now)
+            if plan is None:  # full: look whether some places are held by uploads that never finished
+                stored = {r.id for r in await asyncio.to_thread(self.stored, gateway.store, tenant)}
+                plan = plan_reservation(held, ident, cap, now, stored)
+            if plan is None:
+                raise ApiError(429, self.full.format(cap=cap))
+            if ident in held or await self.write(gateway, tenant, plan, revision):
+                return
+        raise ApiError(503, f"too many of your uploads and deletions changed your {self.kind} list at once: "
+                            "retry in a moment")
+
+    async def release(self, gateway: Gateway, tenant: str, ident: str) -> None:
+        """Stop counting ``ident``, unless it is stored (the same bytes, by another upload)."""
+        for _ in range(CAS_TRIES):
+            entry = await gateway.bus.kv_get(FILES_BUCKET, self.key(tenant))
+            if entry is None:
+                return
+            held = msgspec.json.decode(entry.value, type=FileHoldings).files
+            if ident not in held or await asyncio.to_thread(self.is_stored, gateway.store, tenant, ident):
+                return
+            rest = {i: at for i, at in held.items() if i != ident}
+            if await self.write(gateway, tenant, rest, entry.revision):
+                return
+        # left counted: the next upload at the cap drops it once RESERVATION_GRACE_S has passed
+
+
+FILE_QUOTA = Quota(key=lambda tenant: tenant, cap=lambda gateway: gateway.config.gateway.max_files,
+                   stored=list_files, is_stored=read_file_record, kind="file",
+                   full=("you already have {cap} files (gateway.max_files): delete one you no longer need "
+                         "(DELETE /v1/files/{{id}}; GET /v1/files lists them), then upload again"))
 
 
 @get("/files", summary="Your data files, oldest first")
@@ -185,7 +202,7 @@ async def remove_file(request: Request, tenant: TenantRecord, file_id: str) -> F
     gateway = gateway_of(request)
     if not await asyncio.to_thread(delete_file, gateway.store, tenant.name, file_id):
         raise file_not_found(file_id)
-    await release(gateway, tenant.name, file_id)
+    await FILE_QUOTA.release(gateway, tenant.name, file_id)
     return FileDeleted(id=file_id)
 
 
