@@ -10,7 +10,6 @@ app over a real socket (uvicorn, in this event loop) and drives the synchronous 
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import socket
 import tarfile
@@ -31,6 +30,7 @@ from services.gateway import adapters as gateway_adapters
 from services.gateway.app import Gateway, create_app
 from services.gateway.metrics import StackMetrics
 from services.gateway.views import adapter_archive
+from tests.archives import member, tar_gz
 
 pytestmark = pytest.mark.timeout(180)
 GZIP = {"Content-Type": "application/gzip"}
@@ -55,21 +55,6 @@ async def tenants(bus, file_store, tmp_path):
     yield clients
     for client in clients.values():
         await client.aclose()
-
-
-def tar_gz(*members: tuple[tarfile.TarInfo, bytes]) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        for info, data in members:
-            info.size = len(data) if info.isfile() else 0
-            tar.addfile(info, io.BytesIO(data) if info.isfile() else None)
-    return buffer.getvalue()
-
-
-def member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
-    info = tarfile.TarInfo(name)
-    info.type, info.linkname = kind, link
-    return info
 
 
 async def upload(client: httpx.AsyncClient, body: bytes, name: str = "warm") -> httpx.Response:

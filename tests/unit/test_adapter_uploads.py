@@ -33,6 +33,7 @@ from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE, init_adapter
 from marlaas.platform.events import LoraSettings
 from marlaas.platform.store import open_store
 from services.gateway.views import adapter_archive
+from tests.archives import member, tar_gz
 
 TARGETS = ("q_proj", "v_proj")
 MAX_RANK = 32
@@ -160,21 +161,6 @@ def test_an_adapter_trained_on_another_base_model_is_refused(good, facts):
     assert "tensors that no layer of this stack's base model has" in adapter_problem(config, deeper, **facts)
     assert "trained on another base model" in adapter_problem_on_base(config, wider, base_model_dir=builtin_model_dir(),
                                                                       max_rank=MAX_RANK)
-
-
-def tar_gz(*members: tuple[tarfile.TarInfo, bytes]) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        for info, data in members:
-            info.size = len(data) if info.isfile() else 0
-            tar.addfile(info, io.BytesIO(data) if info.isfile() else None)
-    return buffer.getvalue()
-
-
-def member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
-    info = tarfile.TarInfo(name)
-    info.type, info.linkname = kind, link
-    return info
 
 
 def test_the_archive_marlaas_pull_downloads_reads_back_as_its_two_files(good):
