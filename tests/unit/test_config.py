@@ -188,3 +188,12 @@ def test_the_default_base_is_the_chat_model_and_the_character_level_one_is_named
         load_config(overrides={"base_model": "builtin:char"}, env={})
     bare = load_config(overrides={"base_model": "builtin:char", "rollout.prompt_format": "bare"}, env={})
     assert bare.base_model_dir == char_model_dir()
+
+
+def test_the_default_context_is_lowered_to_a_base_models_own_and_an_explicit_one_is_kept():
+    from marlaas.platform.config import load_config
+
+    char = {"base_model": "builtin:char", "rollout.prompt_format": "bare"}
+    assert load_config(env={}).rollout.max_model_len == 1024  # the chat base's own context
+    assert load_config(overrides=char, env={}).rollout.max_model_len == 512  # its config.json says 512
+    assert load_config(overrides={**char, "rollout.max_model_len": 300}, env={}).rollout.max_model_len == 300

@@ -6,6 +6,7 @@ passed down explicitly. Config structs forbid unknown fields so a typo fails lou
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from pathlib import Path
@@ -33,7 +34,9 @@ class RolloutConfig(Section):
     # ~46 %); marlaas's fused CPU kernels (the default) do not: rank-8 jobs within noise of each
     # other at 8, 16 and 32 (benchmarks/engine_lora.py, docs/configuration.md)
     max_lora_rank: int = 32
-    max_model_len: int = 1024  # prompt and sample together; the cookbook's multi-turn recipes pass 512
+    # prompt and sample together; the cookbook's multi-turn recipes pass 512. Unset, it is lowered to
+    # the base model's own context where that is shorter (load_config: the char base's is 512)
+    max_model_len: int = 1024
     # how prompts and tool observations are written: "chat" with the base model's chat template
     # (tools listed by it, each observation in its tool turn; an error for a model without one),
     # "bare" as plain text and bare <tool_call> / <tool_response> tags (models without a template),
@@ -306,9 +309,25 @@ def load_config(
         if value is not None:
             _set_dotted(tree, dotted, value)
     try:
-        return msgspec.convert(tree, Config, strict=False)
+        config = msgspec.convert(tree, Config, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid config: {exc}") from exc
+    if "max_model_len" not in (tree.get("rollout") or {}):  # the default, within what the base can take
+        context = model_context(config)
+        if context and context < config.rollout.max_model_len:
+            config = msgspec.structs.replace(config, rollout=msgspec.structs.replace(config.rollout,
+                                                                                     max_model_len=context))
+    return config
+
+
+def model_context(config: Config) -> int | None:
+    """The base model's own context (``max_position_embeddings`` in its config.json), if it says."""
+    try:
+        model = json.loads((config.base_model_dir / "config.json").read_text())
+    except (ConfigError, OSError, ValueError):
+        return None  # a bad base_model is reported where it is used
+    context = model.get("max_position_embeddings") if isinstance(model, dict) else None
+    return context if isinstance(context, int) and context > 0 else None
 
 
 def dump_config(config: Config) -> bytes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import json
 import random
+import re
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -79,6 +80,18 @@ def char_match(prediction: str, answer: str) -> float:
     if longest == 0:
         return 1.0
     return sum(p == a for p, a in zip(prediction, answer)) / longest
+
+
+_INTEGER = re.compile(r"0|[1-9][0-9]{0,17}")  # a plain non-negative integer, as an answer is written
+
+
+def numeric_closeness(prediction: str, answer: str, tolerance: int) -> float | None:
+    """Credit for an integer near the integer ``answer``: 1.0 only for the answer itself, falling
+    linearly with the distance to 0 at ``tolerance`` away. None when ``prediction`` is not a plain
+    non-negative integer (no sign, no leading zeros, no other characters)."""
+    if not _INTEGER.fullmatch(prediction):
+        return None
+    return max(0.0, 1.0 - abs(int(prediction) - int(answer)) / tolerance)
 
 
 def json_records(path: Path, what: str, error: type[Exception] = TaskError):
