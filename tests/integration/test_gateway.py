@@ -126,6 +126,8 @@ TENANT_ENDPOINTS = [("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/v1/jobs
                     ("GET", "/v1/jobs/{job}/timeline"), ("GET", "/v1/jobs/{job}/adapter"),
                     ("GET", "/v1/jobs/{job}/events"),
                     ("POST", "/v1/files"), ("GET", "/v1/files"), ("DELETE", "/v1/files/file-0123"),
+                    ("POST", "/v1/adapters"), ("GET", "/v1/adapters"),
+                    ("DELETE", "/v1/adapters/adapter-0123"),
                     ("GET", "/v1/tinker/checkpoint")]  # a Tinker checkpoint's weights (docs/tinker.md)
 AGENTIC = {"task": "multiply", "steps": 2, "grpo": {"prompts_per_step": 1, "group_size": 2}}  # fits the budget
 BAD_SUBMISSIONS = [  # (body or json, headers, status, what the message must say)
@@ -203,8 +205,9 @@ def test_health_and_readiness_need_no_token_and_the_schema_the_operators(stack, 
     assert schema["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["application/toml"]
     served = {(method.upper(), path) for path, ops in schema["paths"].items() for method in ops
               if path.startswith("/v1/")}  # Litestar's /schema pages are the operator's (tests/security)
-    tried = {(method, re.sub(r"/(file-0123|1)(?=/|$)", lambda m: "/{file_id}" if "file" in m[1] else "/{version}",
-                              path)) for method, path in TENANT_ENDPOINTS}
+    named = {"file-0123": "/{file_id}", "adapter-0123": "/{adapter_id}", "1": "/{version}"}
+    tried = {(method, re.sub(r"/(file-0123|adapter-0123|1)(?=/|$)", lambda m: named[m[1]], path))
+             for method, path in TENANT_ENDPOINTS}
     assert served == tried, "every tenant endpoint is tried with bad tokens (TENANT_ENDPOINTS)"
     assert "SubmitRequest" in schema["components"]["schemas"]
 

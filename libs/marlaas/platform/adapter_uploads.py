@@ -50,7 +50,7 @@ MAX_ARCHIVE_BYTES = MAX_ADAPTER_BYTES + 4 * MAX_CONFIG_BYTES  # an upload, gzip'
 MAX_ARCHIVE_MEMBERS = 16  # the two files, their folder, PEFT's README.md, a few more
 MAX_ADAPTERS_PER_TENANT = 16  # up to 4 GiB of a tenant's in the store
 FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}  # the dtypes a LoRA weight may have
-LORA_TENSOR = re.compile(r"(?P<module>.+)\.(?P<half>lora_A|lora_B)\.weight")
+LORA_HALVES = ("lora_A", "lora_B")  # a LoRA tensor's name: <module path>.<half>.weight
 # PEFT LoRA variants the engine and the trainer do not run: a job trains plain LoRA of (r, lora_alpha, targets)
 UNSUPPORTED = {
     "use_dora": "DoRA", "use_rslora": "rank-stabilized scaling", "use_qalora": "QA-LoRA",
@@ -209,22 +209,32 @@ def adapter_problem(config_json: bytes, weights: bytes, *, max_rank: int, lora_t
     return ""
 
 
+def lora_tensor_name(name: str) -> tuple[str, str]:
+    """(module path, "lora_A" | "lora_B") of a LoRA tensor's name, ("", "") for any other name
+    (string splits, no pattern: a hostile header's names cost a linear scan)."""
+    rest, dot, last = name.rpartition(".")
+    module, dot2, half = rest.rpartition(".")
+    if last != "weight" or not dot or not dot2 or not module or half not in LORA_HALVES:
+        return "", ""
+    return module, half
+
+
 def lora_tensors_problem(tensors: dict[str, tuple[int, ...]], shape: LoraShape) -> str:
     """Why ``tensors`` are not the LoRA weights of ``shape`` ("" = they are)."""
     if not tensors:
         return f"{WEIGHTS_FILE} holds no tensor: {HOW}"
     halves: dict[str, set[str]] = {}
     for name, dims in sorted(tensors.items()):
-        match = LORA_TENSOR.fullmatch(name)
-        if match is None or match["module"].rsplit(".", 1)[-1] not in shape.target_modules:
+        module, half = lora_tensor_name(name)
+        if not module or module.rsplit(".", 1)[-1] not in shape.target_modules:
             return (f"{WEIGHTS_FILE}: tensor {name[:120]!r} is not the lora_A or lora_B weight of one of the "
                     f"target_modules {list(shape.target_modules)}: {HOW}")
-        half, rank_dim = match["half"], 0 if match["half"] == "lora_A" else 1
+        rank_dim = 0 if half == "lora_A" else 1
         if len(dims) != 2 or dims[rank_dim] != shape.rank:
             expected = "(r, in_features)" if half == "lora_A" else "(out_features, r)"
             return (f"{WEIGHTS_FILE}: tensor {name[:120]!r} is shaped {dims}, not {expected} with r = {shape.rank} "
                     f"as {CONFIG_FILE} says: upload the config saved with these weights")
-        halves.setdefault(match["module"], set()).add(half)
+        halves.setdefault(module, set()).add(half)
     if lonely := sorted(m for m, h in halves.items() if len(h) != 2):
         return f"{WEIGHTS_FILE}: module {lonely[0][:120]!r} has a lora_A or a lora_B weight but not both: {HOW}"
     return ""
