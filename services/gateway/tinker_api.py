@@ -30,11 +30,11 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from marlaas.platform import api, limits, subjects
 from marlaas.platform import tinker_records as wire
+from marlaas.platform.adapter_uploads import adapter_archive
 from marlaas.platform.adapters import read_adapter
 from marlaas.platform.store import ObjectNotFound
 from marlaas.platform.tenants import TenantRecord, authenticate, tinker_api_key
 from services.gateway.app import ApiError, Gateway, gateway_of, json_object
-from services.gateway.views import adapter_archive
 
 KEY_PREFIX = tinker_api_key("")  # "tml-"
 POLL_S = 10.0  # a retrieve_future waits this long for a pending future (the SDK's read timeout is 45 s)

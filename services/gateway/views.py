@@ -4,16 +4,15 @@ answers exactly like a missing one (404, same body), and never shows up in a lis
 from __future__ import annotations
 
 import asyncio
-import io
 import re
-import tarfile
 
 from litestar import Request, delete, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from marlaas.platform import api, limits, subjects
-from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE, read_adapter
+from marlaas.platform.adapter_uploads import adapter_archive
+from marlaas.platform.adapters import read_adapter
 from marlaas.platform.events import PolicyCommitted
 from marlaas.platform.http_api import Cancelled, Deleted, JobInfo, PhaseSpan, Pinned, Submitted, VersionInfo
 from marlaas.platform.store import ObjectNotFound
@@ -154,17 +153,6 @@ async def chosen_version(request: Request, job: str, version: str | None) -> Pol
         raise ApiError(404, f"job {job} has no version {number}: its committed versions are "
                             f"{versions[0].version}..{versions[-1].version} (leave out ?version= for the latest)")
     return found
-
-
-def adapter_archive(config_json: bytes, weights: bytes, mtime: float) -> bytes:
-    """A .tar.gz of a PEFT adapter directory (its two files at the archive's root)."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        for name, data in ((CONFIG_FILE, config_json), (WEIGHTS_FILE, weights)):
-            info = tarfile.TarInfo(name)
-            info.size, info.mtime, info.mode = len(data), int(mtime), 0o644
-            tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
 
 
 @get("/jobs/{job:str}/adapter", summary="A version's adapter as a .tar.gz of the PEFT directory",

@@ -19,7 +19,7 @@ import pytest
 import uvicorn
 
 from marlaas.basemodel import builtin_model_dir
-from marlaas.platform.adapter_uploads import adapter_id_of, read_uploaded_adapter
+from marlaas.platform.adapter_uploads import adapter_archive, adapter_id_of, read_uploaded_adapter
 from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE, init_adapter
 from marlaas.platform.config import load_config
 from marlaas.platform.events import LoraSettings
@@ -29,7 +29,6 @@ from marlaas.sdk.http import with_absolute_paths
 from services.gateway import adapters as gateway_adapters
 from services.gateway.app import Gateway, create_app
 from services.gateway.metrics import StackMetrics
-from services.gateway.views import adapter_archive
 from tests.archives import member, tar_gz
 
 pytestmark = pytest.mark.timeout(180)

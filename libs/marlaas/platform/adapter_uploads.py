@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import gzip
 import hashlib
+import io
 import json
 import math
 import re
@@ -304,6 +305,18 @@ class _Bounded:
             raise AdapterRefused(f"the archive unpacks to more than {MAX_ARCHIVE_BYTES} bytes: upload the adapter's "
                                  f"two files only ({CONFIG_FILE}, {WEIGHTS_FILE})")
         return data
+
+
+def adapter_archive(config_json: bytes, weights: bytes, mtime: float) -> bytes:
+    """A .tar.gz of a PEFT adapter directory (its two files at the archive's root): what a version's
+    or checkpoint's download answers, and what an upload sends."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name, data in ((CONFIG_FILE, config_json), (WEIGHTS_FILE, weights)):
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = len(data), int(mtime), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
 
 
 def read_adapter_archive(body: BinaryIO) -> tuple[bytes, bytes]:

@@ -21,7 +21,6 @@ which says what to fix.
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import tarfile
 import tempfile
@@ -34,7 +33,7 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from marlaas.platform.adapter_uploads import adapter_id_of, is_adapter_id
+from marlaas.platform.adapter_uploads import adapter_archive, adapter_id_of, is_adapter_id
 from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE
 from marlaas.platform.http_api import (
     PATH_FIELDS,
@@ -277,13 +276,8 @@ class Client:
         return self._upload_adapter_files(*_adapter_files(folder), name or folder.name)
 
     def _upload_adapter_files(self, config_json: bytes, weights: bytes, name: str) -> AdapterInfo:
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-            for member, data in ((CONFIG_FILE, config_json), (WEIGHTS_FILE, weights)):
-                info = tarfile.TarInfo(member)
-                info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
-                tar.addfile(info, io.BytesIO(data))
-        reply = self._request("POST", "/v1/adapters", params={"name": name}, content=buffer.getvalue(),
+        reply = self._request("POST", "/v1/adapters", params={"name": name},
+                              content=adapter_archive(config_json, weights, time.time()),
                               headers={"Content-Type": "application/gzip"})
         return msgspec.json.decode(reply.content, type=AdapterInfo)
 
