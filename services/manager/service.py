@@ -193,12 +193,13 @@ class Manager:
             await self.check_reward_served(record.spec)
             warm = (await resolve_init(self.bus, self.store, record.spec.tenant, record.spec.init_from)
                     if record.spec.init_from else None)
-            if warm and is_adapter_id(record.spec.init_from):  # a tenant's file: checked against this base
+            problem = ""
+            if warm and is_adapter_id(record.spec.init_from):  # a tenant's file: its shapes against this base too
                 problem = await asyncio.to_thread(adapter_problem_on_base, *warm, base_model_dir=self.model_dir,
                                                   max_rank=self.facts.max_lora_rank)
-                if problem:
-                    raise api.SubmitError(f"init_from {record.spec.init_from!r}: {problem}")
-            if warm and (problem := servable_problem(warm[0], self.facts.max_lora_rank, self.facts.lora_targets)):
+            elif warm:  # the platform's own weights: only whether this engine serves their shape
+                problem = servable_problem(warm[0], self.facts.max_lora_rank, self.facts.lora_targets)
+            if problem:
                 raise api.SubmitError(f"init_from {record.spec.init_from!r}: {problem}")
         except (api.SubmitError, msgspec.DecodeError) as exc:
             return api.SubmitReply(error=str(exc), code=api.INVALID)
