@@ -318,6 +318,7 @@ def create_app(gateway: Gateway) -> Litestar:
     from services.gateway.adapters import ADAPTER_ROUTES
     from services.gateway.files import FILE_ROUTES
     from services.gateway.tinker_api import CHECKPOINT_ROUTES, TINKER_ROUTER
+    from services.gateway.tinker_checkpoints import SIGNED_ROUTES, TINKER_CHECKPOINT_ROUTER
     from services.gateway.views import JOB_ROUTES
 
     v1 = Router(path="/v1", route_handlers=[*JOB_ROUTES, *FILE_ROUTES, *ADAPTER_ROUTES, *CHECKPOINT_ROUTES],
@@ -325,7 +326,8 @@ def create_app(gateway: Gateway) -> Litestar:
     # the dashboard: static files that call /v1 with the token the tenant types in (ui/app.js)
     ui = create_static_files_router(path="/ui", directories=[UI_DIR], html_mode=True, name="ui")
     return Litestar(
-        route_handlers=[v1, healthz, readyz, metrics, openapi_json, ui, TINKER_ROUTER],
+        route_handlers=[v1, healthz, readyz, metrics, openapi_json, ui, TINKER_ROUTER, TINKER_CHECKPOINT_ROUTER,
+                        *SIGNED_ROUTES],
         state=State({"gateway": gateway}),
         exception_handlers={Exception: error_answer},
         middleware=[path_guard],

@@ -5,7 +5,8 @@ Point a script at it with ``TINKER_BASE_URL=http://<gateway>/tinker`` and
 gateway keeps no state: it checks the key's tenant and the ids' owner, records sessions, models
 and samplers in the ``tinker`` bucket, and puts the work on the bus (``marlaas.platform.tinker_records``),
 where the trainer and rollout do it and write each request's future. Another tenant's session,
-model, sampler, checkpoint or future answers like a missing one.
+model, sampler, checkpoint (unless published: ``tinker_checkpoints.py``) or future answers like a
+missing one.
 
 Errors: a request the gateway can refuse at once gets a 4xx ``{"error": ...}``; one that fails in
 the doing fails its future (HTTP 200 ``{"error", "category"}``), which the SDK raises as
@@ -15,8 +16,10 @@ the doing fails its future (HTTP 200 ``{"error", "category"}``), which the SDK r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import functools
+import io
 import json
 import re
 import time
@@ -24,7 +27,8 @@ import uuid
 from pathlib import Path
 
 import msgspec
-from litestar import Request, Response, Router, delete, get, post
+import zstandard
+from litestar import Request, Response, Router, get, post
 from litestar.di import Provide
 from tinker.proto import tinker_public_pb2 as pb
 
@@ -33,7 +37,8 @@ from marlaas.platform import tinker_records as wire
 from marlaas.platform.adapter_uploads import adapter_archive
 from marlaas.platform.adapters import read_adapter
 from marlaas.platform.store import ObjectNotFound
-from marlaas.platform.tenants import TenantRecord, authenticate, tinker_api_key
+from marlaas.platform.tenants import TenantRecord, authenticate, get_tenant, tinker_api_key
+from services.gateway import tinker_auth
 from services.gateway.app import ApiError, Gateway, gateway_of, json_object
 
 KEY_PREFIX = tinker_api_key("")  # "tml-"
@@ -46,8 +51,11 @@ CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 async def tinker_tenant(request: Request) -> TenantRecord:
-    """The tenant of the ``X-API-Key`` header: ``tml-`` and the tenant's token."""
+    """The tenant of the ``X-API-Key`` header: ``tml-`` and the tenant's token, or the JWT the SDK
+    exchanged it for (``auth_token``)."""
     key = request.headers.get("x-api-key", "")
+    if key.startswith("eyJ"):  # a JWT: base64 of '{"'
+        return await jwt_tenant(gateway_of(request), key)
     if not key.startswith(KEY_PREFIX):
         raise ApiError(401, "send X-API-Key: tml-<your tenant token> (TINKER_API_KEY; `marlaas tenant add NAME "
                             "--json` prints it as tinker_api_key)")
@@ -58,9 +66,47 @@ async def tinker_tenant(request: Request) -> TenantRecord:
     return tenant
 
 
+def signing_key(gateway: Gateway, label: bytes) -> bytes:
+    """The key the gateway signs JWTs or download URLs with (``tinker_auth``): derived from the
+    operator's token; a 503 without one (a gateway made in a test without it)."""
+    if not gateway.operator_token:
+        raise ApiError(503, "this gateway has no operator token to sign with (gateway.operator_token): JWTs and "
+                            "download URLs are not served")
+    return tinker_auth.derived_key(gateway.operator_token, label)
+
+
+async def jwt_tenant(gateway: Gateway, jwt: str) -> TenantRecord:
+    """The tenant of a JWT this gateway minted: unexpired, its tenant active and still holding the
+    token it was minted for. Any other is a 401 ``invalid_token``, on which the SDK exchanges its API
+    key for a new JWT (and raises the exchange's 401 for a revoked key)."""
+    claims = tinker_auth.jwt_claims(signing_key(gateway, tinker_auth.JWT_LABEL), jwt, time.time())
+    tenant = await get_tenant(gateway.bus, str(claims.get("org_id"))) if claims else None
+    if tenant is None or not tenant.active or not tinker_auth.token_matches(claims, tenant.token_sha256):
+        raise ApiError(401, "JWT not accepted (expired, not this gateway's, or its tenant's token was revoked or "
+                            "replaced): exchange your API key for a new one (POST /auth/token; the SDK does)",
+                       {"WWW-Authenticate": 'Bearer error="invalid_token"'})
+    return tenant
+
+
 async def body_json(request: Request) -> dict:
     """The request's JSON object: a 400 for anything else, deep nesting included."""
+    if request.headers.get("content-encoding", "identity") != "identity":
+        raise ApiError(415, f"Content-Encoding {request.headers['content-encoding']!r}: send JSON bodies "
+                            "uncompressed (only forward_backward's protobuf may be zstd)")
     return json_object(await request.body())
+
+
+def unzstd(body: bytes, limit: int) -> bytes:
+    """A zstd-compressed body, decompressed to at most ``limit`` bytes (read in a stream: a bomb
+    stops at the limit); a 400 or 413 saying what is wrong."""
+    try:
+        data = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)).read(limit + 1)
+    except zstandard.ZstdError as exc:
+        raise ApiError(400, f"the body is not zstd ({exc}): send it as is, or compressed whole") from None
+    if len(data) > limit:
+        raise ApiError(413, f"the body decompresses to over {limit} bytes (one NATS message): send fewer datums "
+                            "at a time")
+    return data
 
 
 def seq_of(body: dict) -> int | None:
@@ -100,6 +146,15 @@ async def owned(gateway: Gateway, tenant: TenantRecord, kind: str, ident: str, t
     return record
 
 
+async def readable(gateway: Gateway, tenant: TenantRecord, path: str) -> wire.TinkerCheckpoint:
+    """The checkpoint at ``path`` if the tenant may read it (its own, or published); 404 otherwise,
+    the same for another tenant's unpublished one as for a missing one."""
+    checkpoint = await wire.read(gateway.bus, "checkpoint", path, wire.TinkerCheckpoint)
+    if checkpoint is None or not wire.can_read(checkpoint, tenant.name):
+        raise ApiError(404, f"no checkpoint {path!r}")
+    return checkpoint
+
+
 async def check_quota(gateway: Gateway, subject: str, request: msgspec.Struct) -> str:
     """Have the manager record a session or model: it counts the tenant's quota and writes the
     record in one step (``services/manager/tinker_sessions.py``), so that concurrent creates, on any
@@ -126,12 +181,21 @@ async def submit_training(gateway: Gateway, tenant: TenantRecord, model_id: str,
 # --- client, sessions --------------------------------------------------------------------------
 
 @post("/client/config", status_code=200)
-async def client_config(tenant: TenantRecord) -> dict:
+async def client_config(request: Request, tenant: TenantRecord) -> dict:
     """The SDK's feature flags: forward_backward chunks one at a time (each in its turn, so a
-    model's requests reach the queue in order) and small enough for one NATS message."""
+    model's requests reach the queue in order) and small enough for one NATS message; the API key
+    exchanged for a JWT (which ``whoami`` reads) where the gateway can sign one."""
     return {"parallel_fwdbwd_chunks": False, "fwdbwd_max_chunk_bytes_count": MAX_CHUNK_BYTES,
-            "fwdbwd_max_chunk_len": MAX_CHUNK_DATUMS,
-            "sample_use_retrieve_futures": False, "pjwt_auth_enabled": False}
+            "fwdbwd_max_chunk_len": MAX_CHUNK_DATUMS, "sample_use_retrieve_futures": False,
+            "pjwt_auth_enabled": bool(gateway_of(request).operator_token), "proto_compress_fwdbwd": True}
+
+
+@post("/auth/token", status_code=200)
+async def auth_token(request: Request, tenant: TenantRecord) -> dict:
+    """The API key exchanged for a JWT of ``tinker_auth.JWT_TTL_S`` (the SDK renews it): its claims
+    name the tenant (``RestClient.whoami``)."""
+    key = signing_key(gateway_of(request), tinker_auth.JWT_LABEL)
+    return {"jwt": tinker_auth.mint_jwt(key, tenant.name, tenant.token_sha256, time.time())}
 
 
 @post("/create_session", status_code=200)
@@ -218,6 +282,11 @@ async def forward_backward(request: Request, tenant: TenantRecord) -> dict:
     gateway, raw = gateway_of(request), await request.body()
     if PROTO not in request.headers.get("content-type", ""):
         raise ApiError(400, f"send forward_backward as protobuf ({PROTO}): the tinker SDK does since 0.25")
+    encoding = request.headers.get("content-encoding", "identity")
+    if encoding not in ("identity", "zstd"):
+        raise ApiError(415, f"Content-Encoding {encoding!r}: send the protobuf as is, or zstd-compressed")
+    if encoding == "zstd":
+        raw = await asyncio.to_thread(unzstd, raw, MAX_REQUEST_BYTES)
     message = pb.ForwardBackwardRequest()
     try:
         message.ParseFromString(raw)
@@ -236,10 +305,22 @@ async def model_request(request: Request, tenant: TenantRecord, kind: str) -> di
     body = await body_json(request)
     model = await owned(gateway, tenant, "model", field(body, "model_id", str), wire.TinkerModel)
     name = body.get("path")
-    if kind == "save_weights" and name is None:
-        raise ApiError(400, "save_weights needs a name for the checkpoint: 'path'")
+    if kind in ("save_weights", "save_weights_external") and name is None:
+        raise ApiError(400, f"{kind} needs a name for the checkpoint: 'path'")
     if kind.startswith("save") and name is not None and not (isinstance(name, str) and CHECKPOINT_NAME.fullmatch(name)):
         raise ApiError(400, f"a checkpoint's name is 1-128 letters, digits, '.', '_' or '-', not {name!r}")
+    if kind.startswith("save"):
+        try:
+            wire.expiry(body.get("ttl_seconds"), 0.0)  # the trainer records the expiry from the time it saves
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+    if kind == "save_weights_external":
+        if body.get("age_encryption_recipients"):
+            raise ApiError(400, "age_encryption_recipients is not served here: save unencrypted (the weights stay "
+                                "in this stack's store; download them over its signed URLs)")
+        # the same PEFT files as sampler weights: the trainer saves it as one, under external_weights/
+        # (its _save tells them apart by the body's type)
+        kind, raw = "save_weights_for_sampler", msgspec.json.encode({**body, "type": "save_weights_external"})
     return await submit_training(gateway, tenant, model.id, kind, raw, seq_of(body))
 
 
@@ -253,6 +334,7 @@ def model_endpoint(kind: str):
 
 
 MODEL_ENDPOINTS = [model_endpoint(kind) for kind in ("optim_step", "save_weights", "save_weights_for_sampler",
+                                                     "save_weights_external",
                                                      "unload_model")]
 
 
@@ -261,12 +343,12 @@ async def load_weights(request: Request, tenant: TenantRecord) -> dict:
     """Load a checkpoint into an existing model, or (``session_id`` + ``model_seq_id``) into a new one."""
     gateway, raw = gateway_of(request), await request.body()
     body = await body_json(request)
-    checkpoint = await owned(gateway, tenant, "checkpoint", field(body, "path", str), wire.TinkerCheckpoint)
+    checkpoint = await readable(gateway, tenant, field(body, "path", str))
     if body.get("model_id") is not None:
         model = await owned(gateway, tenant, "model", field(body, "model_id", str), wire.TinkerModel)
         return await submit_training(gateway, tenant, model.id, "load_weights", raw, seq_of(body))
     session = await owned(gateway, tenant, "session", field(body, "session_id", str), wire.TinkerSession)
-    source = await wire.read(gateway.bus, "model", checkpoint.model_id, wire.TinkerModel, tenant.name)
+    source = await wire.read(gateway.bus, "model", checkpoint.model_id, wire.TinkerModel, checkpoint.tenant)
     model = wire.TinkerModel(
         id=f"{session.id}:train:{field(body, 'model_seq_id', int)}", tenant=tenant.name, session=session.id,
         base_model=source.base_model if source else sorted(served_names(gateway))[0], rank=checkpoint.rank,
@@ -280,30 +362,27 @@ async def load_weights(request: Request, tenant: TenantRecord) -> dict:
 async def list_checkpoints(request: Request, tenant: TenantRecord, model_id: str) -> dict:
     gateway = gateway_of(request)
     await owned(gateway, tenant, "model", model_id, wire.TinkerModel)
+    return {"checkpoints": [checkpoint_entry(c) for c in await model_checkpoints(gateway, model_id)], "cursor": None}
+
+
+async def model_checkpoints(gateway: Gateway, model_id: str) -> list[wire.TinkerCheckpoint]:
+    """The checkpoints a model has saved (its index's, those still recorded), oldest first."""
     index = await wire.read(gateway.bus, "checkpoints", model_id, wire.CheckpointIndex)
-    listed = []
-    for path in index.paths if index else []:
-        checkpoint = await wire.read(gateway.bus, "checkpoint", path, wire.TinkerCheckpoint)
-        if checkpoint is not None:
-            listed.append({"checkpoint_id": path.rsplit("/", 2)[-2] + "/" + path.rsplit("/", 1)[-1],
-                           "checkpoint_type": "sampler" if checkpoint.kind == "sampler" else "training",
-                           "time": datetime.datetime.fromtimestamp(checkpoint.created_at, datetime.UTC).isoformat(),
-                           "tinker_path": path})
-    return {"checkpoints": listed, "cursor": None}
+    found = [await wire.read(gateway.bus, "checkpoint", path, wire.TinkerCheckpoint) for path in index.paths] \
+        if index else []
+    return [checkpoint for checkpoint in found if checkpoint is not None]
 
 
-@delete("/training_runs/{model_id:str}/checkpoints/{checkpoint_id:path}", status_code=200)
-async def delete_checkpoint(request: Request, tenant: TenantRecord, model_id: str, checkpoint_id: str) -> dict:
-    """Delete a checkpoint (``weights/NAME`` or ``sampler_weights/NAME``): its record and its objects;
-    samplers made from it stop working."""
-    gateway = gateway_of(request)
-    path = f"tinker://{model_id}/{checkpoint_id.lstrip('/')}"
-    checkpoint = await owned(gateway, tenant, "checkpoint", path, wire.TinkerCheckpoint)
-    await wire.unindex(gateway.bus, tenant.name, model_id, path)
-    await gateway.bus.kv_delete(wire.TINKER_BUCKET, wire.key("checkpoint", path))
-    folder = gateway.store.key_of(checkpoint.adapter.uri).rsplit("/", 1)[0] + "/"
-    await asyncio.to_thread(gateway.store.delete_prefix, folder)
-    return {}
+def checkpoint_entry(checkpoint: wire.TinkerCheckpoint) -> dict:
+    """A checkpoint as the SDK's listings give it (``types.Checkpoint``)."""
+    def moment(at: float) -> str:
+        return datetime.datetime.fromtimestamp(at, datetime.UTC).isoformat()
+
+    segment, name = checkpoint.path.rsplit("/", 2)[-2:]
+    return {"checkpoint_id": f"{segment}/{name}", "tinker_path": checkpoint.path, "time": moment(checkpoint.created_at),
+            "checkpoint_type": {"state": "training", "external": "external"}.get(checkpoint.kind, "sampler"),
+            "size_bytes": checkpoint.adapter.size + (checkpoint.optimizer.size if checkpoint.optimizer else 0),
+            "public": checkpoint.public, "expires_at": moment(checkpoint.expires_at) if checkpoint.expires_at else None}
 
 
 # --- sampling -----------------------------------------------------------------------------------
@@ -319,12 +398,13 @@ async def create_sampling_session(request: Request, tenant: TenantRecord) -> dic
 
 
 async def sampler_for(gateway: Gateway, tenant: TenantRecord, body: dict, sampler_id: str) -> wire.TinkerSampler:
-    """A sampler of ``body``'s ``model_path`` (a checkpoint of the tenant's) or ``base_model``."""
+    """A sampler of ``body``'s ``model_path`` (a checkpoint of the tenant's, or a published one) or
+    ``base_model``."""
     if body.get("model_path"):
         path = field(body, "model_path", str)
-        checkpoint = await owned(gateway, tenant, "checkpoint", path, wire.TinkerCheckpoint)
+        checkpoint = await readable(gateway, tenant, path)
         return wire.TinkerSampler(id=sampler_id, tenant=tenant.name, base_model=sorted(served_names(gateway))[0],
-                                  model_path=path, adapter=checkpoint.adapter)
+                                  model_path=path, adapter=checkpoint.adapter, shared=checkpoint.tenant != tenant.name)
     base = body.get("base_model")
     if base not in served_names(gateway):
         raise ApiError(400, f"give model_path (a tinker:// checkpoint) or base_model, one of "
@@ -344,6 +424,8 @@ async def asample(request: Request, tenant: TenantRecord) -> dict:
     body = await body_json(request)
     if body.get("sampling_session_id"):
         sampler = await owned(gateway, tenant, "sampler", field(body, "sampling_session_id", str), wire.TinkerSampler)
+        if sampler.shared:  # unpublished (or deleted) since: no longer the tenant's to sample
+            await readable(gateway, tenant, sampler.model_path)
         request_id = wire.request_id(sampler.id, seq_of(body))
     else:  # a one-off sampler of a checkpoint or the base: the request is its own scope
         request_id = f"once-{tenant.name}-{uuid.uuid4().hex}"
@@ -379,7 +461,8 @@ async def retrieve_future(request: Request, tenant: TenantRecord) -> Response:
     deadline, wait = time.monotonic() + POLL_S, 0.02
     while (future := await wire.read(gateway.bus, "future", request_id, wire.TinkerFuture)) is None:
         if time.monotonic() > deadline:
-            return Response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+            return Response({"type": "try_again", "request_id": request_id,
+                             **await queue_state(gateway, tenant, request_id)})
         await asyncio.sleep(wait)
         wait = min(wait * 1.5, 0.5)
     if future.tenant != tenant.name:
@@ -388,6 +471,17 @@ async def retrieve_future(request: Request, tenant: TenantRecord) -> Response:
         return Response({"error": future.error, "category": future.category})
     data = future.body if future.blob is None else await asyncio.to_thread(gateway.store.fetch, future.blob)
     return Response(data, media_type=PROTO if future.media == "proto" else "application/json")
+
+
+async def queue_state(gateway: Gateway, tenant: TenantRecord, request_id: str) -> dict:
+    """The SDK's ``queue_state`` (and its reason) for a pending request: from the tenant's sampling
+    consumer, how many of its requests the engine has in hand and how many wait."""
+    state, reason = "active", ""
+    with contextlib.suppress(Exception):  # no consumer yet (never sampled, or idle): nothing waits
+        info = await gateway.bus.js.consumer_info("TINKER", f"{wire.SAMPLE_DURABLE}-{tenant.name}")
+        state, reason = wire.queue_state(request_id, info.num_ack_pending, info.num_pending,
+                                         gateway.config.rollout.tinker_sample_per_tenant)
+    return {"queue_state": state, **({"queue_state_reason": reason} if reason else {})}
 
 
 async def owner_check(gateway: Gateway, tenant: TenantRecord, request_id: str) -> None:
@@ -400,13 +494,13 @@ async def owner_check(gateway: Gateway, tenant: TenantRecord, request_id: str) -
 
 
 @get("/tinker/checkpoint", summary="A Tinker checkpoint's weights as a .tar.gz of the PEFT directory",
-     description="?path=tinker://<model>/<weights|sampler_weights>/<name>: one of the tenant's Tinker checkpoints "
-                 "(`marlaas pull tinker://...`).", response_description="application/gzip")
+     description="?path=tinker://<model>/<weights|sampler_weights>/<name>: one of the tenant's Tinker checkpoints, "
+                 "or a published one (`marlaas pull tinker://...`).", response_description="application/gzip")
 async def download_checkpoint(request: Request, tenant: TenantRecord, path: str | None = None) -> Response:
     gateway = gateway_of(request)
     if not path:
         raise ApiError(400, "name the checkpoint: ?path=tinker://<model>/<weights|sampler_weights>/<name>")
-    checkpoint = await owned(gateway, tenant, "checkpoint", path, wire.TinkerCheckpoint)
+    checkpoint = await readable(gateway, tenant, path)
     try:
         config_json, weights = await asyncio.to_thread(read_adapter, gateway.store, checkpoint.adapter)
     except ObjectNotFound:
@@ -422,7 +516,7 @@ CHECKPOINT_ROUTES = [download_checkpoint]  # under /v1, with the tenant's bearer
 TINKER_ROUTER = Router(
     path="/tinker/api/v1",
     route_handlers=[client_config, create_session, session_heartbeat, finish_session, capabilities, telemetry,
-                    create_model, get_info, forward_backward, *MODEL_ENDPOINTS, load_weights, list_checkpoints,
-                    delete_checkpoint, create_sampling_session, get_sampler, asample, retrieve_future],
+                    auth_token, create_model, get_info, forward_backward, *MODEL_ENDPOINTS, load_weights,
+                    list_checkpoints, create_sampling_session, get_sampler, asample, retrieve_future],
     dependencies={"tenant": Provide(tinker_tenant)}, include_in_schema=False,
 )

@@ -5,7 +5,7 @@ The gateway's Tinker API records sessions and models through the manager (``marl
 jobs, and its live sessions against ``manager.max_tinker_sessions``, each counted and taken in one
 step under the registry's submission lock (issue 35, F5: 24 concurrent ``create_model`` calls had
 made 24 models against a quota of 8). A session whose client went silent is ended by
-:func:`sweep_tinker_sessions`.
+:func:`sweep_tinker_sessions`, which also deletes the checkpoints whose TTL ran out.
 """
 
 from __future__ import annotations
@@ -103,12 +103,18 @@ class TinkerQuotas:
 
 
 async def sweep_tinker_sessions(bus: Bus, store: ObjectStore, stop: asyncio.Event) -> None:
-    """End the Tinker sessions whose clients went silent (``marlaas.platform.tinker_records.sweep_sessions``)."""
+    """End the Tinker sessions whose clients went silent (``marlaas.platform.tinker_records.sweep_sessions``)
+    and delete the checkpoints whose TTL ran out (``sweep_checkpoints``)."""
     while not stop.is_set():
         try:
             for session in await tinker.sweep_sessions(bus, store):
                 log.info("tinker session ended: its client went silent", session=session)
         except Exception:
             log.exception("sweeping tinker sessions failed; trying again later")
+        try:
+            for path in await tinker.sweep_checkpoints(bus, store):
+                log.info("tinker checkpoint deleted: its TTL ran out", checkpoint=path)
+        except Exception:
+            log.exception("sweeping expired tinker checkpoints failed; trying again later")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), tinker.SWEEP_EVERY_S)

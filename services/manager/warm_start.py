@@ -4,11 +4,12 @@
 
 - jobs, at a committed version: ``"JOB@VERSION"`` or ``"JOB@latest"`` (JOB its id, or its id
   without the tenant's prefix);
-- Tinker checkpoints: ``"tinker://<model>/<weights|sampler_weights>/<name>"`` (docs/tinker.md);
+- Tinker checkpoints: ``"tinker://<model>/<weights|sampler_weights>/<name>"`` (docs/tinker.md), the
+  tenant's own or one another tenant published;
 - uploaded PEFT adapters: ``"adapter-..."`` (``POST /v1/adapters``; checked at upload and again
   here against this stack's base: :func:`marlaas.platform.adapter_uploads.adapter_problem_on_base`).
 
-Another tenant's job or checkpoint is answered as a missing one. The new job's adapter shape
+Another tenant's job or unpublished checkpoint is answered as a missing one. The new job's adapter shape
 (rank, alpha, target modules) is the source's, which must be one the engine serves
 (:func:`servable_problem`): its version 0 is a copy of the source's weights, with a fresh
 optimizer. :func:`parse_init_from` and :func:`servable_problem` are the pure decisions;
@@ -118,11 +119,11 @@ async def resolve_init(bus: Bus, store: ObjectStore, tenant: str, value: str) ->
 
 
 async def checkpoint_weights(bus: Bus, store: ObjectStore, tenant: str, path: str) -> tuple[bytes, bytes]:
-    """The (config JSON, weights) of the tenant's Tinker checkpoint at ``path``."""
+    """The (config JSON, weights) of the Tinker checkpoint at ``path``: the tenant's, or a published one."""
     checkpoint = await tinker_records.read(bus, "checkpoint", path, TinkerCheckpoint)
-    if checkpoint is None or checkpoint.tenant != tenant:  # another tenant's reads as missing
-        raise api.SubmitError(f"init_from {path!r}: no Tinker checkpoint of yours there (the SDK's "
-                              "list_user_checkpoints lists them)")
+    if checkpoint is None or not tinker_records.can_read(checkpoint, tenant):  # another's unpublished: missing
+        raise api.SubmitError(f"init_from {path!r}: no Tinker checkpoint of yours there, nor a published one (the "
+                              "SDK's list_user_checkpoints lists yours)")
     try:
         return await asyncio.to_thread(read_adapter, store, checkpoint.adapter)
     except ObjectNotFound:

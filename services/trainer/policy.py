@@ -494,6 +494,12 @@ class PolicyTrainer:
         for p, grad in zip(self.hot[job].params, saved, strict=True):
             p.grad = grad
 
+    def drop_gradients(self, job: str) -> None:
+        """Forget the job's accumulated gradients, and unpin it."""
+        for p in self.hot[job].params:
+            p.grad = None
+        self.pinned.discard(job)
+
     def adam_step(self, job: str, learning_rate: float, betas: tuple[float, float], eps: float,
                   weight_decay: float, grad_clip_norm: float) -> dict[str, float]:
         """One AdamW step on the gradients accumulated since the last one (none: a step on zeros,

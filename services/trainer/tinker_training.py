@@ -15,12 +15,16 @@ A model is a LoRA in the same peft model as the jobs' (``PolicyTrainer``), under
 model is pinned in memory meanwhile), ``optim_step`` takes an AdamW step with the client's
 hyperparameters and writes the adapter and optimizer to the store (``TinkerLive``), so a model
 pushed out of memory, or a trainer restarted, goes on from its last step. Gradients accumulated
-since that step are lost with a restart: ``optim_step`` cannot tell, and steps on what is left.
+since that step live in the holder's memory only: when the holder goes away (a restart, a crash),
+the next request is done elsewhere after ``ORDER_WAIT_S``, the record says from which request the
+gradients were lost, and the next ``optim_step`` fails (category "server", never a step on part of
+the gradients), naming the ``forward_backward`` requests to send again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -35,21 +39,30 @@ from tinker.proto import tinker_public_pb2 as pb
 from marlaas.platform import subjects
 from marlaas.platform import tinker_records as wire
 from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE, init_adapter, read_adapter
-from marlaas.platform.bus import Bus, Delivery, PoisonMessage
+from marlaas.platform.bus import Bus, Delivery, PoisonMessage, StaleRevision
 from marlaas.platform.events import GrpoSettings, LoraSettings
 from marlaas.platform.store import ObjectStore
 from marlaas.platform.telemetry import span
 from marlaas.platform.tenant_turns import TenantQueues
 from services.trainer.grpo import micro_batches
 from services.trainer.policy import NonFiniteUpdate, PolicyTrainer
-from services.trainer.tinker_losses import LossInputError, check_inputs, check_loss, datum_loss
+from services.trainer.tinker_losses import (
+    MAX_SPANS,
+    LossInputError,
+    check_inputs,
+    check_loss,
+    datum_loss,
+    provenance_inputs,
+)
 
 log = structlog.get_logger("trainer.tinker")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 LORA_ALPHA = 32  # Tinker's
 TRAIN_DURABLE = "trainer-tinker"  # the consumers' names: trainer-tinker-<tenant>
-ORDER_WAIT_S = 30.0  # a request waits this long for its turn (a lost earlier one, a dead replica's gradients)
+ORDER_WAIT_S = 30.0  # a request waits this long for an earlier one that is not done (the client may never send it)
+NOT_MINE_S = 0.5  # a request another live replica must do goes back to the queue for this long
+BEAT_S, REPLICA_DEAD_S = 3.0, 15.0  # each replica says it is alive this often; silent this long, it is gone
 ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
                  "grad_clip_norm": 0.0}  # the SDK's AdamParams
 
@@ -67,6 +80,30 @@ class Done:
 
 class UserError(Exception):
     """A request the client got wrong: its future fails with category "user" and this message."""
+
+
+class GradientsLost(Exception):
+    """An ``optim_step`` whose gradients went with a trainer replica: its future fails with category
+    "server"; the client sends the forward_backward requests again, then the step."""
+
+
+def turn(seq_id: int, submitted_at: float, live: wire.TinkerLive, me: str, alive: set[str],
+         now: float) -> tuple[bool, str]:
+    """Whether this replica (``me``) does a model's request now, and why out of turn if so. It waits
+    while another replica that is ``alive`` is doing one of the model's requests or holds its
+    gradients (however long); and for an earlier request not done yet, for ``ORDER_WAIT_S`` after
+    the model's last progress (the client may never send it)."""
+    if live.working and live.working != me and live.working in alive:
+        return False, ""
+    if live.holder and live.holder != me and live.holder in alive:
+        return False, ""
+    if seq_id > live.last_seq + 1:
+        if now - max(submitted_at, live.done_at) < ORDER_WAIT_S:
+            return False, ""
+        return True, f"request {live.last_seq + 1} never came"
+    if live.holder and live.holder != me:
+        return True, f"replica {live.holder}, which held the model's gradients, is gone"
+    return True, ""
 
 
 def job_name(model_id: str) -> str:
@@ -102,6 +139,18 @@ def datum_tensors(datum: pb.Datum) -> tuple[torch.Tensor, dict[str, torch.Tensor
     return torch.from_numpy(tokens.astype(np.int64)), inputs
 
 
+def spans_of(spans) -> list[tuple[str, str, int, int]]:
+    """Protobuf provenance spans as (kind "prompt" | "sampled", sequence_id, offset, length)."""
+    found = []
+    for entry in spans[:MAX_SPANS + 1]:
+        kind = entry.WhichOneof("span")
+        run = getattr(entry, kind) if kind else None
+        if run is None:
+            raise UserError("a provenance span names neither prompt nor sampled tokens")
+        found.append(("prompt" if kind == "prompt_tokens" else "sampled", run.sequence_id, run.offset, run.length))
+    return found
+
+
 def batched(values: list[np.ndarray], dtype: int) -> pb.BatchedTensor:
     """Per-datum 1-D arrays as one protobuf BatchedTensor (byte offsets, n + 1 of them)."""
     offsets = np.cumsum([0] + [v.nbytes for v in values]).astype(np.int64)
@@ -128,20 +177,30 @@ class TinkerTrainer:
         if model is None or model.tenant != request.tenant:
             return await wire.fail(self.bus, self.store, request.request_id, request.tenant,
                                    f"no model {request.model_id!r}")
-        live = await wire.read(self.bus, "live", request.model_id, wire.TinkerLive)
+        entry = await self.bus.kv_get(wire.TINKER_BUCKET, wire.key("live", request.model_id))
+        live = None if entry is None else msgspec.json.decode(entry.value, type=wire.TinkerLive)
         if live is not None and request.kind not in ("create_model", "load_weights") or \
                 live is not None and request.kind == "load_weights" and request.seq_id:
             if 0 < request.seq_id <= live.last_seq:  # never do a request twice, nor one the model has passed
                 return await wire.fail(self.bus, self.store, request.request_id, request.tenant,
                                        f"seq_id {request.seq_id} comes after the model's request {live.last_seq}: "
                                        "requests are done in seq_id order, each once")
-            wait = self.wait_reason(request, live)
-            # counted from the model's last progress too: behind other tenants' turns, a request may
-            # wait in the queue longer than ORDER_WAIT_S while its model moves on
-            if wait and time.time() - max(request.submitted_at, live.done_at) < ORDER_WAIT_S:
+            alive = {r for r in {live.working, live.holder} - {"", self.replica} if await self.is_alive(r)}
+            go, why = turn(request.seq_id, request.submitted_at, live, self.replica, alive, time.time())
+            if not go:  # back to the queue; sooner at the replica that can do the model's next request, so
+                # that two replicas never pass the model's next two requests to and fro
+                return await delivery.nak(0.05 if live.holder in ("", self.replica) else NOT_MINE_S)
+            if why:
+                log.warning("tinker request done out of turn", model=model.id, seq_id=request.seq_id, why=why)
+            if why or live.holder and live.holder != self.replica:  # a request skipped, or the holder gone:
+                # the gradients since the last step may miss some, and the next step fails saying so
+                live = msgspec.structs.replace(live, holder="", lost_from=live.lost_from or live.pending_from
+                                               or (live.last_seq + 1 if request.seq_id > live.last_seq + 1 else 0))
+            try:  # the model is this replica's until the request is recorded: no other takes one meanwhile
+                await self.bus.kv_update(wire.TINKER_BUCKET, wire.key("live", request.model_id), msgspec.json.encode(
+                    msgspec.structs.replace(live, working=self.replica, done_at=time.time())), entry.revision)
+            except StaleRevision:  # another replica took one of the model's requests first
                 return await delivery.nak(0.05)
-            if wait:
-                log.warning("tinker request done out of turn", model=model.id, seq_id=request.seq_id, why=wait)
         if request.kind == "refused":  # the gateway refused it: only its place in the order is taken
             return await self._advance(request, live, None)
         try:
@@ -149,10 +208,15 @@ class TinkerTrainer:
                             model=request.model_id, seq_id=request.seq_id):
                 async with delivery.keep_alive():
                     checkpoint = await self._checkpoint(request, model) if request.kind == "load_weights" else None
-                    done = await asyncio.to_thread(self._run, request, model, live, checkpoint)
+                    sequences = await self._sequences(request) if request.kind == "forward_backward" else {}
+                    done = await asyncio.to_thread(self._run, request, model, live, checkpoint, sequences)
         except (UserError, LossInputError, NonFiniteUpdate) as exc:
             await self._advance(request, live, None)
             return await wire.fail(self.bus, self.store, request.request_id, request.tenant, str(exc))
+        except GradientsLost as exc:
+            await self._advance(request, msgspec.structs.replace(live, lost_from=0), None)
+            return await wire.fail(self.bus, self.store, request.request_id, request.tenant, str(exc),
+                                   category="server")
         except Exception as exc:
             log.exception("tinker request failed", model=request.model_id, kind=request.kind)
             await self._advance(request, live, None)
@@ -166,14 +230,18 @@ class TinkerTrainer:
         await wire.finish(self.bus, self.store, wire.TinkerFuture(
             request_id=request.request_id, tenant=request.tenant, media=done.media, body=done.body))
 
-    def wait_reason(self, request: wire.TrainRequest, live: wire.TinkerLive) -> str:
-        """Why ``request`` must wait ("" = it need not): an earlier request of the model is not done
-        yet, or another trainer replica holds gradients of the model that this one cannot see."""
-        if request.seq_id > live.last_seq + 1:
-            return f"request {live.last_seq + 1} is not done yet"
-        if live.holder and live.holder != self.replica:
-            return f"replica {live.holder} holds the model's gradients"
-        return ""
+    async def is_alive(self, replica: str) -> bool:
+        beat = await wire.read(self.bus, "replica", replica, wire.ReplicaBeat)
+        return beat is not None and time.time() - beat.at < REPLICA_DEAD_S
+
+    async def beat(self, stop: asyncio.Event) -> None:
+        """Say this replica is alive every ``BEAT_S`` until ``stop``: a model's request waits for a
+        live replica holding its gradients (or doing its last request) however long that takes."""
+        while not stop.is_set():
+            with contextlib.suppress(Exception):  # the broker restarting: beat again next time
+                await wire.write(self.bus, "replica", self.replica, wire.ReplicaBeat(id=self.replica, at=time.time()))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), BEAT_S)
 
     async def _advance(self, request: wire.TrainRequest, old: wire.TinkerLive | None,
                        new: wire.TinkerLive | None) -> None:
@@ -183,8 +251,10 @@ class TinkerTrainer:
         if live is None:
             return
         job = job_name(request.model_id)
-        holder = self.replica if job in self.policy.pinned else ""
-        live = msgspec.structs.replace(live, last_seq=max(live.last_seq, request.seq_id), holder=holder,
+        holding = job in self.policy.pinned
+        live = msgspec.structs.replace(live, last_seq=max(live.last_seq, request.seq_id), working="",
+                                       holder=self.replica if holding else "",
+                                       pending_from=(live.pending_from or request.seq_id) if holding else 0,
                                        done_at=time.time())
         await wire.write(self.bus, "live", request.model_id, live)
         if new is not None and old is not None and old.adapter is not None and old.adapter != new.adapter:
@@ -194,7 +264,7 @@ class TinkerTrainer:
     # --- in a thread, with the policy's lock -----------------------------------------------------
 
     def _run(self, request: wire.TrainRequest, model: wire.TinkerModel, live: wire.TinkerLive | None,
-             checkpoint: wire.TinkerCheckpoint | None) -> Done:
+             checkpoint: wire.TinkerCheckpoint | None, sequences: dict) -> Done:
         """Do the request. It holds the policy's lock, which the event loop's thread may wait for (an
         eviction), so it never waits on the loop: what it reads comes in, what it writes goes out."""
         with self.policy.lock:
@@ -205,10 +275,13 @@ class TinkerTrainer:
             if live is None:
                 raise UserError(f"model {model.id!r} is still being created: wait for create_model's future")
             self._make_hot(model, live)
+            job = job_name(model.id)
+            if job in self.policy.pinned and live.holder != self.replica:  # held here once, given up since
+                self.policy.drop_gradients(job)
             body = json.loads(request.body) if request.kind != "forward_backward" else None
             match request.kind:
                 case "forward_backward":
-                    return Done("proto", self._forward_backward(model, request.body))
+                    return Done("proto", self._forward_backward(model, request.body, sequences))
                 case "optim_step":
                     return Done("json", *self._optim_step(model, live, body))
                 case "save_weights" | "save_weights_for_sampler":
@@ -251,11 +324,24 @@ class TinkerTrainer:
         return (msgspec.json.encode({"model_id": model.id, "path": checkpoint.path, "type": "load_weights"}),
                 self._write_live(model, steps))
 
+    async def _sequences(self, request: wire.TrainRequest) -> dict[str, wire.SequenceRecord]:
+        """The recorded sequences a stable_reinforce request's provenance names (the tenant's own;
+        missing ones are left out, and the datum naming one is refused)."""
+        message = pb.ForwardBackwardRequest()
+        message.ParseFromString(request.body)
+        if message.loss_fn != "stable_reinforce":
+            return {}
+        names = {span[1] for datum in message.data for span in spans_of(datum.loss_fn_input_spans)}
+        if len(names) > MAX_SPANS:
+            raise UserError(f"the request's provenance names {len(names)} sequences: send at most {MAX_SPANS}")
+        found = await asyncio.gather(*[wire.read(self.bus, "sequence", name, wire.SequenceRecord) for name in names])
+        return {record.id: record for record in found if record is not None and record.tenant == request.tenant}
+
     async def _checkpoint(self, request: wire.TrainRequest, model: wire.TinkerModel) -> wire.TinkerCheckpoint:
-        """The checkpoint a load_weights names (the tenant's own)."""
+        """The checkpoint a load_weights names (the tenant's own, or a published one)."""
         path = json.loads(request.body).get("path") or model.from_checkpoint
         found = await wire.read(self.bus, "checkpoint", path, wire.TinkerCheckpoint)
-        if found is None or found.tenant != model.tenant:
+        if found is None or not wire.can_read(found, model.tenant):
             raise UserError(f"no checkpoint {path!r}: save_state or save_weights_for_sampler write one")
         return found
 
@@ -269,14 +355,14 @@ class TinkerTrainer:
         self.policy.load(job, live.steps, config_json, weights, optimizer, GrpoSettings())
         log.info("tinker model loaded from its last step", model=model.id, steps=live.steps)
 
-    def _forward_backward(self, model: wire.TinkerModel, body: bytes) -> bytes:
+    def _forward_backward(self, model: wire.TinkerModel, body: bytes, sequences: dict) -> bytes:
         """The request's loss and its gradients, added to the model's; a request that fails adds nothing."""
         request = pb.ForwardBackwardRequest()
         request.ParseFromString(body)
         check_loss(request.loss_fn)
         config = {k: v.number for k, v in request.loss_fn_config_v2.items() if v.WhichOneof("value") == "number"}
         config = config or dict(request.loss_fn_config)
-        data = [self._datum(i, datum, request.loss_fn) for i, datum in enumerate(request.data)]
+        data = [self._datum(i, datum, request.loss_fn, sequences) for i, datum in enumerate(request.data)]
         job = job_name(model.id)
         total = 0.0
         saved = self.policy.gradients(job)
@@ -309,7 +395,8 @@ class TinkerTrainer:
         result.metrics["loss:sum"] = total
         return result.SerializeToString()
 
-    def _datum(self, i: int, datum: pb.Datum, loss_fn: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _datum(self, i: int, datum: pb.Datum, loss_fn: str,
+               sequences: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Datum ``i``'s tokens and loss inputs, checked before any of the request's work is done."""
         tokens_T, inputs = datum_tensors(datum)
         targets_T = inputs.get("target_tokens")
@@ -324,6 +411,8 @@ class TinkerTrainer:
             if ids.min() < 0 or ids.max() >= self.vocab:
                 raise UserError(f"datum {i}: {name} holds token ids outside 0..{self.vocab - 1}, the "
                                 "base model's vocabulary")
+        if loss_fn == "stable_reinforce":  # the recorded logprobs, never the client's
+            inputs |= provenance_inputs(i, targets_T, spans_of(datum.loss_fn_input_spans), sequences)
         check_inputs(loss_fn, tokens_T.numel(), inputs)
         return tokens_T, inputs
 
@@ -338,6 +427,12 @@ class TinkerTrainer:
         if bad or not values["beta1"] < 1 or not values["beta2"] < 1:
             raise UserError(f"adam_params {bad or ['beta1', 'beta2']} must be finite numbers >= 0 (betas below 1)")
         job = job_name(model.id)
+        if live.lost_from:  # never a step on part of the gradients
+            self.policy.drop_gradients(job)
+            raise GradientsLost(f"the gradients of this model's requests from seq_id {live.lost_from} on are "
+                                "incomplete (lost with a trainer replica that went away, or a request never "
+                                "came): send those forward_backward requests again, then optim_step (the "
+                                "weights are as of the last step, and the gradients were dropped)")
         metrics = self.policy.adam_step(
             job, float(values["learning_rate"]), (float(values["beta1"]), float(values["beta2"])),
             float(values["eps"]), float(values["weight_decay"]), float(values["grad_clip_norm"]))
@@ -357,14 +452,20 @@ class TinkerTrainer:
             return Done("json", msgspec.json.encode({"path": None, "sampling_session_id": sampler.id,
                                                      "type": "save_weights_for_sampler"}),
                         records=[("sampler", sampler.id, sampler)])
-        segment = "sampler_weights" if kind == "save_weights_for_sampler" else "weights"
+        # save_weights_external comes queued as save_weights_for_sampler (the gateway's model_request):
+        # the same adapter files, under their own segment
+        external = body.get("type") == "save_weights_external"
+        segment = ("external_weights" if external else
+                   "sampler_weights" if kind == "save_weights_for_sampler" else "weights")
         path = f"tinker://{model.id}/{segment}/{name}"
         adapter, state = self._put(wire.model_prefix(model, "checkpoints", uuid.uuid4().hex[:12]), config_json, weights,
                                    optimizer if kind == "save_weights" else None)
+        now = time.time()
         checkpoint = wire.TinkerCheckpoint(path=path, tenant=model.tenant, model_id=model.id,
-                                           kind="sampler" if state is None else "state", adapter=adapter,
-                                           optimizer=state, rank=model.rank, created_at=time.time())
-        return Done("json", msgspec.json.encode({"path": path, "type": kind}),
+                                           kind="external" if external else "sampler" if state is None else "state",
+                                           adapter=adapter, optimizer=state, rank=model.rank, created_at=now,
+                                           expires_at=wire.expiry(body.get("ttl_seconds"), now))
+        return Done("json", msgspec.json.encode({"path": path, "type": "save_weights_external" if external else kind}),
                     records=[("checkpoint", path, checkpoint)])
 
 
@@ -377,4 +478,8 @@ async def run_tinker(rt, policy: PolicyTrainer) -> None:
                           ack_wait_s=rt.config.trainer.ack_wait_s,
                           max_deliver=-1)  # a request waiting for its model's turn is redelivered until it comes
     await queues.retire(TRAIN_DURABLE)
-    await queues.run(trainer.handle, rt.stop)
+    beating = asyncio.create_task(trainer.beat(rt.stop))
+    try:
+        await queues.run(trainer.handle, rt.stop)
+    finally:
+        beating.cancel()

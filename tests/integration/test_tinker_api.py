@@ -22,9 +22,11 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 import torch
+import zstandard
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -286,11 +288,12 @@ def test_many_steps_across_two_trainers_keep_every_gradient(trained):
 
 def test_failures_are_request_failed_with_a_category(service, trained):
     client, ids = trained["client"], trained["ids"]
-    with pytest.raises(tinker.BadRequestError, match="cross_entropy, importance_sampling, ppo, cispo, dro"):
-        client.forward_backward([ce_datum(ids)], "gspo").result()
+    with pytest.raises(tinker.BadRequestError, match="cross_entropy, importance_sampling, ppo, cispo, dro, "
+                                                     "stable_reinforce, gspo"):
+        client.forward_backward([ce_datum(ids)], "custom").result()
     rl_datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
         "target_tokens": ids[1:], "logprobs": [-1.0] * (len(ids) - 1), "advantages": [0.5] * (len(ids) - 1)})
-    for loss_fn, config in (("cispo", None), ("dro", {"beta": 0.1})):  # served: a loss, no gradient kept (forward)
+    for loss_fn, config in (("cispo", None), ("dro", {"beta": 0.1}), ("gspo", None)):  # served: a loss (forward)
         assert math.isfinite(client.forward([rl_datum], loss_fn, loss_fn_config=config).result().metrics["loss:sum"])
     no_weights = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
                              loss_fn_inputs={"target_tokens": ids[1:], "advantages": [1.0] * (len(ids) - 1)})
@@ -321,9 +324,11 @@ def live_steps(stack, model_id: str) -> int:
 
 
 def retrieve(api: httpx.Client, request_id: str) -> httpx.Response:
-    while (answer := api.post("/retrieve_future", json={"request_id": request_id})).json().get("type") == "try_again":
-        pass
-    return answer
+    """The request's future, once done: JSON, or the protobuf of a forward_backward or a sample."""
+    while True:
+        answer = api.post("/retrieve_future", json={"request_id": request_id})
+        if "protobuf" in answer.headers.get("content-type", "") or answer.json().get("type") != "try_again":
+            return answer
 
 
 def test_a_retried_submission_is_answered_with_the_first_request(stack, url, keys):
@@ -458,6 +463,25 @@ def test_the_cookbooks_guess_number_rl_recipe_runs_unchanged(stack, url, keys, t
                               types.SamplingParams(max_tokens=2)).result().sequences
 
 
+@pytest.mark.slow
+def test_the_cookbooks_math_rl_recipe_runs_unchanged(stack, url, keys, tmp_path):
+    """Its defaults: the arithmetic env, rank 32, 100 groups of 4 a step, and stable_reinforce (records
+    of the sampled sequences, provenance on every datum); only the step count is set."""
+    done, log_path = run_recipe(stack, url, keys["alice"], tmp_path, "tinker_cookbook.recipes.math_rl.train",
+                                "max_steps=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+    trained = [m for m in metrics if "env/all/reward/total" in m]  # the training steps (an eval may follow)
+    assert [m["step"] for m in trained] == [0, 1], metrics
+    figures = [(m["env/all/reward/total"], m.get("grad_norm:mean"), m.get("optim/kl_sample_train_v1"))
+               for m in trained]
+    assert all(math.isfinite(reward) for reward, _, _ in figures), figures
+    assert figures[0][1] > 0, figures  # the first step trained (a step whose groups all tied has no gradient)
+    # the trainer's logprobs are the engine's recorded ones, to float error: the loss trained on-policy
+    assert all(kl is None or abs(kl) < 1e-3 for _, _, kl in figures), figures
+    assert checkpoint_paths(log_path), "no checkpoint written"
+
+
 # --- quotas and the shared engine ------------------------------------------------------------------
 
 SMALL_JOB = {"task": "reverse", "steps": 4, "seed": 3, "grpo": {"prompts_per_step": 4, "group_size": 4}}
@@ -569,3 +593,99 @@ def test_hostile_requests_get_clear_errors_and_the_model_keeps_working(url, keys
         client.forward_backward([ce_datum(trained["ids"]), poisoned], "cross_entropy").result()
     assert client.optim_step(types.AdamParams(learning_rate=0.0)).result().metrics["grad_norm:mean"] == 0.0
     assert client.forward([ce_datum(trained["ids"])], "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+# --- the protocol as the SDK drives it: retries, compressed bodies, queue states, a restart ---------
+
+def forward_backward_body(model_id: str, seq_id: int, datum: types.Datum) -> bytes:
+    """A forward_backward's protobuf, as the SDK builds it."""
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    request = types.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, forward_backward_input=(
+        types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy")))
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+def publish(stack, subject: str, data: bytes) -> None:
+    async def send():
+        bus = await Bus.connect(stack.nats_url, name="test-tinker-replay")
+        try:
+            await bus.publish(subject, data)
+        finally:
+            await bus.close()
+
+    asyncio.run(send())
+
+
+def test_a_replayed_forward_backward_is_applied_once(stack, url, keys, trained):
+    """Two models of one seed, one forward_backward each (zstd-compressed, as the SDK sends them); the
+    second's is sent three times by HTTP and once more straight onto the queue (a retry after the
+    broker's duplicate window): its step's gradient norm is the first's, not a multiple of it."""
+    from marlaas.platform import subjects
+
+    proto = {"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"}
+    norms = []
+    with http(url, keys["alice"]) as api:
+        session = api.post("/create_session", json={}).json()["session_id"]
+        refused = api.post("/forward_backward", content=b"x", headers={**proto, "Content-Encoding": "gzip"})
+        assert refused.status_code == 415 and "zstd" in refused.json()["error"], refused.text
+        for n, replays in enumerate((0, 3)):
+            created = api.post("/create_model", json={"session_id": session, "model_seq_id": n, "base_model": BASE,
+                                                      "lora_config": {"rank": 4, "seed": 7}}).json()
+            model_id = retrieve(api, created["request_id"]).json()["model_id"]
+            raw = forward_backward_body(model_id, 1, ce_datum(trained["ids"]))
+            body = zstandard.ZstdCompressor().compress(raw)
+            sent = [api.post("/forward_backward", content=body, headers=proto).json() for _ in range(1 + replays)]
+            assert {s["request_id"] for s in sent} == {f"{model_id}:1"}, sent
+            done = retrieve(api, sent[0]["request_id"])
+            assert done.headers["content-type"].startswith("application/x-protobuf"), done.text  # its output
+            if replays:
+                publish(stack, subjects.tinker_train("alice"), msgspec.json.encode(wire.TrainRequest(
+                    request_id=f"{model_id}:1", tenant="alice", model_id=model_id, kind="forward_backward",
+                    body=raw, seq_id=1, submitted_at=time.time())))
+            step = api.post("/optim_step", json={"model_id": model_id, "seq_id": 2,
+                                                 "adam_params": {"learning_rate": 0.0}}).json()
+            norms.append(retrieve(api, step["request_id"]).json()["metrics"]["grad_norm:mean"])
+            assert live_steps(stack, model_id) == 1
+        api.post(f"/sessions/{session}/finish", json={})
+    assert norms[0] > 0 and norms[1] == pytest.approx(norms[0], rel=1e-5), norms
+
+
+def test_sampling_requests_past_the_tenants_limit_report_a_paused_queue(stack, url):
+    """A flood of sampling requests: while the tenant has its limit in the engine, a waiting one's
+    try_again says paused_rate_limit (the SDK's queue state) rather than an error."""
+    out = tenant_cli_ok(stack.home, "add", "gina")
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]}
+    request = {"base_model": BASE, "prompt": prompt, "num_samples": 4,
+               "sampling_params": {"max_tokens": 900, "stop": []}}  # long enough to outlast a 10 s poll
+    with http(url, out["tinker_api_key"]) as api:
+        sent = [api.post("/asample", json=request).json()["request_id"] for _ in range(12)]
+        answer = api.post("/retrieve_future", json={"request_id": sent[-1]}).json()
+        assert answer["type"] == "try_again", answer
+        assert answer["queue_state"] == "paused_rate_limit", answer
+        assert "tinker_sample_per_tenant = 2" in answer["queue_state_reason"]
+        from tinker.proto import tinker_public_pb2 as pb
+
+        for request_id in sent:  # every one is done in the end
+            done = pb.SampleResponse()
+            done.ParseFromString(retrieve(api, request_id).content)
+            assert len(done.sequences) == 4
+
+
+def test_a_trainer_restart_between_forward_backward_and_optim_step_fails_the_step_retryably(stack, service, trained):
+    """The replica holding a model's gradients dies after forward_backward: the optim_step fails
+    (category "server", saying what to send again) instead of stepping on nothing, the weights stay
+    as they were, and the step sent again after its forward_backward goes through."""
+    client = service.create_lora_training_client(base_model=BASE, rank=4).result()
+    datum = ce_datum(trained["ids"])
+    client.forward_backward([datum], "cross_entropy").result()
+    for name in ("trainer", "trainer-2"):  # whichever holds the gradients
+        stack.kill(name)
+        stack.restart(name)
+    with pytest.raises(tinker.RequestFailedError, match="are incomplete .lost with a trainer replica") as failed:
+        client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    assert failed.value.category.value == "server"
+    assert live_steps(stack, client.model_id) == 0  # no step on part of the gradients
+    client.forward_backward([datum], "cross_entropy").result()
+    assert client.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["grad_norm:mean"] > 0
+    assert live_steps(stack, client.model_id) == 1

@@ -28,10 +28,13 @@ from marlaas.platform.limits import cut
 INLINE_RESULT_BYTES = 512 * 1024  # a future's body above this goes to the object store
 SDK_VERSION = "0.38.0"  # the tinker SDK the API is written and tested against
 MAX_SAMPLES = 64  # num_samples of one asample
-LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")  # served (services/trainer/tinker_losses.py)
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro",
+          "stable_reinforce", "gspo")  # served (services/trainer/tinker_losses.py)
 SESSION_LIVE_S = 120.0  # a session not heard from for this long no longer counts (the SDK beats every 10 s)
 SESSION_EXPIRE_S = 600.0  # ... and is ended after this long, its ephemeral weights deleted
 SWEEP_EVERY_S = 60.0
+MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 86400  # a checkpoint's TTL (Tinker's range): 1 hour to 10 years
+SAMPLE_DURABLE = "rollout-tinker"  # rollout's consumers of the sampling queue: rollout-tinker-<tenant>
 
 
 class Wire(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,9 +68,10 @@ class TinkerModel(Wire):
 
 
 class TinkerCheckpoint(Wire):
-    """Saved weights: ``kind`` "sampler" (adapter only) or "state" (adapter and optimizer)."""
+    """Saved weights: ``kind`` "sampler" or "external" (adapter only) or "state" (adapter and
+    optimizer). Its tenant alone may change or delete it; any tenant may read it once ``public``."""
 
-    path: str  # tinker://<model id>/<sampler_weights|weights>/<name>
+    path: str  # tinker://<model id>/<sampler_weights|weights|external_weights>/<name>
     tenant: str
     model_id: str
     kind: str
@@ -75,6 +79,8 @@ class TinkerCheckpoint(Wire):
     optimizer: Blob | None = None
     rank: int = 0
     created_at: float = 0.0
+    public: bool = False  # published: other tenants may sample, load, copy and download it
+    expires_at: float = 0.0  # the manager's sweep deletes it after this (0 = never)
 
 
 class TinkerSampler(Wire):
@@ -85,6 +91,7 @@ class TinkerSampler(Wire):
     base_model: str
     model_path: str = ""
     adapter: Blob | None = None
+    shared: bool = False  # of another tenant's published checkpoint: it samples while that stays published
 
 
 class TinkerLive(Wire):
@@ -96,7 +103,29 @@ class TinkerLive(Wire):
     optimizer: Blob | None = None
     last_seq: int = 0  # the last of the model's requests done (they are done in seq_id order)
     holder: str = ""  # the trainer replica holding gradients not yet stepped ("" = none)
+    pending_from: int = 0  # the first request whose gradients the holder keeps (0 = none)
+    lost_from: int = 0  # gradients since this request went with a replica that went away: the step fails
+    working: str = ""  # the replica doing one of the model's requests now ("" = none)
     done_at: float = 0.0  # when the last request was done: a request's wait for its turn counts from it
+
+
+class SequenceRecord(Wire):
+    """A sampled sequence recorded for ``stable_reinforce`` (``record_stability_info``): its prompt,
+    its tokens and the engine's logprob of each, which a training request's provenance names by
+    ``sequence_id`` (``<request id>:<j>``). Kept as long as futures are (an hour)."""
+
+    id: str
+    tenant: str
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+
+
+class ReplicaBeat(Wire):
+    """A trainer replica's heartbeat: a model's requests wait for a live replica that holds its gradients."""
+
+    id: str
+    at: float
 
 
 class TinkerFuture(Wire):
@@ -179,7 +208,7 @@ def span_job(tenant: str) -> str:
 
 
 def bucket_of(kind: str) -> str:
-    return TINKER_FUTURES_BUCKET if kind == "future" else TINKER_BUCKET
+    return TINKER_FUTURES_BUCKET if kind in ("future", "sequence", "replica") else TINKER_BUCKET  # kept an hour
 
 
 def request_id(scope: str, seq_id: int | None) -> str:
@@ -270,6 +299,52 @@ async def unindex(bus: Bus, tenant: str, model_id: str, path: str) -> None:
             model_id=model_id, tenant=tenant, paths=[p for p in found.paths if p != path]))
 
 
+def can_read(checkpoint: TinkerCheckpoint, tenant: str) -> bool:
+    """Whether ``tenant`` may sample, load, copy or download ``checkpoint``: its own, or published.
+    Publishing, TTLs and deleting stay its owner's."""
+    return checkpoint.tenant == tenant or checkpoint.public
+
+
+def expiry(ttl_seconds, now: float) -> float:
+    """When a checkpoint given ``ttl_seconds`` (None: none) expires (0.0 = never); ValueError saying
+    the range, Tinker's: 1 hour to 10 years."""
+    if ttl_seconds is None:
+        return 0.0
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or not MIN_TTL_S <= ttl_seconds <= MAX_TTL_S:
+        raise ValueError(f"ttl_seconds must be a whole number from {MIN_TTL_S} (1 hour) to {MAX_TTL_S} (10 years), "
+                         f"or null for no expiry; got {ttl_seconds!r}")
+    return now + ttl_seconds
+
+
+def expired(checkpoints: list[TinkerCheckpoint], now: float) -> list[TinkerCheckpoint]:
+    """The checkpoints whose TTL has run out by ``now``."""
+    return [c for c in checkpoints if 0 < c.expires_at <= now]
+
+
+async def delete_checkpoint(bus: Bus, store, checkpoint: TinkerCheckpoint) -> None:
+    """Delete ``checkpoint``: its index entry, its record and its objects (samplers made from it
+    stop working). The owner's ``delete_checkpoint`` and the manager's TTL sweep both call this."""
+    await unindex(bus, checkpoint.tenant, checkpoint.model_id, checkpoint.path)
+    await bus.kv_delete(TINKER_BUCKET, key("checkpoint", checkpoint.path))
+    folder = store.key_of(checkpoint.adapter.uri).rsplit("/", 1)[0] + "/"
+    await asyncio.to_thread(store.delete_prefix, folder)
+
+
+async def sweep_checkpoints(bus: Bus, store, now: float | None = None) -> list[str]:
+    """Delete every checkpoint whose TTL has run out; return their paths. The manager runs this
+    with :func:`sweep_sessions`, every ``SWEEP_EVERY_S``."""
+    now = time.time() if now is None else now
+    found = []
+    for checkpoint_key in await bus.kv_keys(TINKER_BUCKET, under="checkpoint"):
+        entry = await bus.kv_get(TINKER_BUCKET, checkpoint_key)
+        if entry is not None:
+            found.append(msgspec.json.decode(entry.value, type=TinkerCheckpoint))
+    doomed = expired(found, now)
+    for checkpoint in doomed:
+        await delete_checkpoint(bus, store, checkpoint)
+    return [c.path for c in doomed]
+
+
 async def finish(bus: Bus, store, future: TinkerFuture) -> None:
     """Record a finished request; a body too large for the bucket goes to the object store."""
     if len(future.body) > INLINE_RESULT_BYTES:
@@ -284,3 +359,17 @@ async def fail(bus: Bus, store, request_id: str, tenant: str, error: str, catego
     ``limits.MAX_ERROR_CHARS``: the text may quote a tenant's input)."""
     await finish(bus, store, TinkerFuture(request_id=request_id, tenant=tenant, media="error",
                                           error=cut(error), category=category))
+
+
+def queue_state(request_id: str, in_hand: int, waiting: int, per_tenant: int) -> tuple[str, str]:
+    """What a pending request's ``try_again`` tells the SDK (its ``queue_state`` and reason): a
+    sampling request waiting while its tenant has ``per_tenant`` in the engine is held by the
+    tenant's own limit ("paused_rate_limit"); one waiting while its tenant is under it waits for the
+    engine's Tinker slots ("paused_capacity"); anything else is "active" (in the queue, or being done)."""
+    if not (":sample:" in request_id or request_id.startswith("once-")) or waiting == 0:
+        return "active", ""
+    if in_hand >= per_tenant:
+        return "paused_rate_limit", (f"{in_hand} of your sampling requests are in the engine, your limit "
+                                     f"(rollout.tinker_sample_per_tenant = {per_tenant}): the rest wait their turn")
+    return "paused_capacity", ("the engine's Tinker sampling slots (rollout.tinker_sample_concurrency) are busy "
+                               "with other tenants' requests: yours waits its turn")
