@@ -286,9 +286,12 @@ async def readyz(request: Request) -> Response:
 
 @get("/metrics", include_in_schema=False, media_type="text/plain; version=0.0.4", guards=[operator_only])
 async def metrics(request: Request) -> bytes:
-    """Prometheus text exposition (no tenant or job labels), for the operator."""
+    """Prometheus text exposition (tenant labels only on the usage figures), for the operator."""
+    from services.gateway.usage import usage_records
+
     gateway = gateway_of(request)
-    return gateway.metrics.render(await all_records(gateway.bus))  # fresh: scrapes are seconds apart
+    # fresh: scrapes are seconds apart
+    return gateway.metrics.render(await all_records(gateway.bus), await usage_records(gateway.bus))
 
 
 @get("/openapi.json", include_in_schema=False, guards=[operator_only])
@@ -319,9 +322,11 @@ def create_app(gateway: Gateway) -> Litestar:
     from services.gateway.files import FILE_ROUTES
     from services.gateway.tinker_api import CHECKPOINT_ROUTES, TINKER_ROUTER
     from services.gateway.tinker_checkpoints import SIGNED_ROUTES, TINKER_CHECKPOINT_ROUTER
+    from services.gateway.usage import USAGE_ROUTES
     from services.gateway.views import JOB_ROUTES
 
-    v1 = Router(path="/v1", route_handlers=[*JOB_ROUTES, *FILE_ROUTES, *ADAPTER_ROUTES, *CHECKPOINT_ROUTES],
+    v1 = Router(path="/v1", route_handlers=[*JOB_ROUTES, *FILE_ROUTES, *ADAPTER_ROUTES, *CHECKPOINT_ROUTES,
+                                            *USAGE_ROUTES],
                 dependencies={"tenant": Provide(authenticated_tenant)}, security=[{"bearer": []}])
     # the dashboard: static files that call /v1 with the token the tenant types in (ui/app.js)
     ui = create_static_files_router(path="/ui", directories=[UI_DIR], html_mode=True, name="ui")

@@ -1,4 +1,4 @@
-"""``/metrics``: the stack's figures for Prometheus, with no tenant or job labels at all.
+"""``/metrics``: the stack's figures for Prometheus, with no tenant or job labels but on usage.
 
 Two sources. Job records give, at each scrape, jobs by state, the queue length and
 histograms of time to first step and time per step (one observation per job that has
@@ -6,6 +6,10 @@ one). The METRICS stream's spans give busy time: each gateway follows it (from a
 back, so a restarted gateway is not blind) and adds up engine busy seconds (rollout's
 ``utilization`` spans), trainer busy seconds (``train`` spans), seconds per phase, and
 the commit times behind steps per hour (commits in the last 10 minutes, times 6).
+
+Usage (metering, ``marlaas.platform.usage``) is the one family with a ``tenant`` label: each
+scrape sums the ``usage`` bucket's records by tenant (``marlaas_usage_<counter>_total``), so the
+figures survive a restart of the gateway or of any service.
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ import time
 import structlog
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from marlaas.platform import subjects
 from marlaas.platform.bus import Bus
 from marlaas.platform.events import METRIC, EventDecodeError, JobRecord, JobState, Span
 from marlaas.platform.telemetry import UTILIZATION_JOB
+from marlaas.platform.usage import COUNTER_FIELDS, UsageRecord, summarize
 
 log = structlog.get_logger("gateway")
 TTFS_BUCKETS_S = (1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
@@ -62,6 +67,22 @@ class RecordFigures:
                         [r.evals[-1].score for r in self.records if r.evals], EVAL_BUCKETS)
 
 
+class UsageFigures:
+    """A Prometheus collector over the usage records read for the current scrape, by tenant."""
+
+    def __init__(self) -> None:
+        self.records: list[UsageRecord] = []
+
+    def collect(self):
+        by_tenant = summarize(self.records, by_tenant=True).by_tenant
+        for name in COUNTER_FIELDS:
+            family = CounterMetricFamily(f"marlaas_usage_{name}", f"Usage: {name.replace('_', ' ')}, "
+                                         "by tenant (all days)", labels=["tenant"])
+            for row in by_tenant:
+                family.add_metric([row.key], getattr(row.counters, name))
+            yield family
+
+
 class StackMetrics:
     """The registry behind ``/metrics`` and the span follower that feeds it."""
 
@@ -69,6 +90,8 @@ class StackMetrics:
         self.registry = CollectorRegistry()
         self.figures = RecordFigures()
         self.registry.register(self.figures)
+        self.usage = UsageFigures()
+        self.registry.register(self.usage)
         self.engine_busy = Counter("marlaas_engine_busy_seconds", "Seconds the rollout engine had a "
                                    "request in flight", registry=self.registry)
         self.trainer_busy = Counter("marlaas_trainer_busy_seconds", "Seconds the trainers spent in "
@@ -91,9 +114,10 @@ class StackMetrics:
         elif span.phase == "commit":
             self.commits.append(span.end)
 
-    def render(self, records: list[JobRecord]) -> bytes:
+    def render(self, records: list[JobRecord], usage: list[UsageRecord] = ()) -> bytes:
         """The text exposition for one scrape."""
         self.figures.records = records
+        self.usage.records = list(usage)
         horizon = time.time() - RATE_WINDOW_S
         while self.commits and self.commits[0] < horizon:
             self.commits.popleft()

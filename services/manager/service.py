@@ -13,7 +13,8 @@ This module wires the manager's parts to the bus; each concern has its own modul
 - ``lifecycle``: the job registry, the one writer of job records and their state changes;
 - ``job_admin``: tenants' quotas, pinning a version, deleting a job;
 - ``gc``: deleting the stored objects no version needs;
-- ``tinker_sessions``: Tinker sessions and models under the tenants' quotas, and the sweep.
+- ``tinker_sessions``: Tinker sessions and models under the tenants' quotas, and the sweep;
+- ``usage``: metering events folded into the ``usage`` bucket, each exactly once.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from services.manager.lifecycle import JobRegistry, RecordChange, delete_oldest_
 from services.manager.lifecycle import oldest_beyond as oldest_beyond  # re-exported: tests import it here
 from services.manager.sizing import max_token_chars
 from services.manager.tinker_sessions import TinkerQuotas, sweep_tinker_sessions
+from services.manager.usage import keep_ledger
 from services.manager.validation import StackFacts, validate_submission
 from services.manager.validation import job_id as job_id  # re-exported: tests import it here
 from services.manager.warm_start import lora_of, resolve_init, servable_problem
@@ -433,5 +435,6 @@ async def run(rt: Runtime) -> None:
                        stop=rt.stop),
         rt.bus.consume("JOBS", "manager-evals", subjects.job_eval(), manager.on_job_event, stop=rt.stop),
         sweep_tinker_sessions(rt.bus, rt.store, rt.stop),
+        keep_ledger(rt.bus, rt.stop),  # metering: the USAGE stream into the usage bucket
     )
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from marlaas.platform.events import Sample
+from marlaas.platform.usage import UsageCounters
 
 SegmentKind = Literal["sampled", "observation"]
 END_REASONS = ("answer", "length", "max_tool_calls", "context_full", "read_timeout")
@@ -63,6 +64,15 @@ class Episode:
     @property
     def turns(self) -> int:
         return sum(s.kind == "sampled" for s in self.segments)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens of its engine requests: each turn's request carries every id before it."""
+        total, length = 0, len(self.prompt_ids)
+        for segment in self.segments:
+            total += length if segment.kind == "sampled" else 0
+            length += len(segment.ids)
+        return total
 
     @property
     def truncated(self) -> bool:
@@ -120,6 +130,16 @@ def settle_truncated(episodes: list[Episode], scores: list[float | None], mode: 
         else:
             out.append(0.0 if mode == "zero" else None)
     return out
+
+
+def episodes_usage(episodes: list[Episode]) -> UsageCounters:
+    """What ``episodes`` used: the engine's prefilled and generated tokens, the tool calls the
+    model made and the seconds they were waited on (metering, ``marlaas.platform.usage``)."""
+    return UsageCounters(
+        prefill_tokens=sum(e.prefill_tokens for e in episodes),
+        generated_tokens=sum(len(s.ids) for e in episodes for s in e.segments if s.kind == "sampled"),
+        episodes=len(episodes), tool_calls=sum(e.tool_calls for e in episodes),
+        tool_s=sum(e.tool_wait_s for e in episodes))
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:

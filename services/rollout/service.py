@@ -48,12 +48,13 @@ from marlaas.platform.files import DataFiles, is_file_id
 from marlaas.platform.runtime import Runtime
 from marlaas.platform.store import ObjectStore
 from marlaas.platform.telemetry import UTILIZATION_JOB, record_span, span
+from marlaas.platform.usage import report_usage
 from marlaas.tasks import Task, TaskError, get_task
 from marlaas.tools.registry import reward_subject
 from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
 from services.rollout.announcements import Reaction, plan_announcement
 from services.rollout.engine import PolicyEngine
-from services.rollout.episode import Episode, episode_metrics, settle_truncated, to_score
+from services.rollout.episode import Episode, episode_metrics, episodes_usage, settle_truncated, to_score
 from services.rollout.frontier import Frontier
 from services.rollout.liveness import Liveness
 from services.rollout.rounds import SyncRounds, round_members
@@ -318,6 +319,7 @@ class Rollout:
                     episodes = await asyncio.gather(*(
                         self.episode(spec, task, ids, lora, version, i, 0, temperature=0.0)
                         for i, ids in enumerate(prompt_ids)))
+                await report_usage(self.bus, SERVICE, spec.id, episodes_usage(episodes))
             rewards = await self.rewards(spec, [(p, self.final_turn(e)) for p, e in zip(problems, episodes)])
         except (TaskError, PoisonMessage, EventDecodeError, TimeoutError) as exc:  # an eval never fails the training
             log.warning("evaluation failed; training goes on", job=spec.id, version=version, error=str(exc))
@@ -407,6 +409,7 @@ class Rollout:
                 attrs["tokens"] = sum(len(seg.ids) for e in episodes for seg in e.segments if seg.kind == "sampled")
                 metrics = episode_metrics(episodes) if task.kind == "agentic" else {}
                 attrs.update(metrics)
+            await report_usage(self.bus, SERVICE, spec.id, episodes_usage(episodes))
         # decoding the model's output is CPU work on untrusted ids: off the event loop
         texts = await asyncio.to_thread(lambda: [self.transcript(e) for e in episodes])
         scored = to_score(episodes, grpo.truncated)
@@ -467,6 +470,7 @@ class Rollout:
         async def group(i: int, ids: list[int], lora) -> None:
             episodes = await asyncio.gather(*(self.episode(spec, task, ids, lora, step, i, j, frontier=frontier)
                                               for j in range(grpo.group_size)))
+            await report_usage(self.bus, SERVICE, spec.id, episodes_usage(episodes))
             texts = await asyncio.to_thread(lambda: [self.transcript(e) for e in episodes])
             scored = to_score(episodes, grpo.truncated)
             scoring = time.time()

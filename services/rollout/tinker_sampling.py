@@ -53,6 +53,7 @@ from marlaas.platform.bus import Delivery, PoisonMessage
 from marlaas.platform.events import Blob
 from marlaas.platform.telemetry import span
 from marlaas.platform.tenant_turns import TenantQueues
+from marlaas.platform.usage import UsageCounters, report_usage, tinker_job
 from services.rollout.engine import TopLogprobs
 
 log = structlog.get_logger("rollout.tinker")
@@ -277,6 +278,10 @@ class TinkerSampler:
             if request.sampler.adapter is not None:
                 self.loaded[request.sampler.adapter.sha256] -= 1
         turns = done[:n]
+        await report_usage(self.bus, "rollout", tinker_job(request.tenant), UsageCounters(
+            prefill_tokens=len(prompt) * n + (targets.positions + 1 if targets is not None else 0),
+            generated_tokens=sum(len(turn.token_ids) for turn in turns), episodes=n, tinker_requests=1),
+            tenant=request.tenant)
         response = pb.SampleResponse()
         last_n = body.get("prompt_logprobs_last_n")
         last_n = last_n if isinstance(last_n, int) and 0 < last_n < len(prompt) else len(prompt)

@@ -44,6 +44,7 @@ from marlaas.platform.events import (
 from marlaas.platform.runtime import Runtime
 from marlaas.platform.store import ObjectStore
 from marlaas.platform.telemetry import record_span, span
+from marlaas.platform.usage import UsageCounters, report_usage
 from services.trainer.batch_plan import (
     BatchAction,
     GroupAction,
@@ -199,8 +200,10 @@ class Trainer:
         try:
             async with span(self.bus, SERVICE, "accumulate", job, version, group=event.group,
                             samples=len(batch.samples), attempt=pending.attempt):
+                began = time.monotonic()
                 await asyncio.to_thread(self._add, snapshot.committed, batch, snapshot.record.spec,
                                         action is GroupAction.START_OVER)
+            await report_usage(self.bus, SERVICE, job, batch_usage(batch, time.monotonic() - began))
         except NonFiniteUpdate as exc:
             await self.release(job, "term")
             self.policy.evict(job)
@@ -244,7 +247,7 @@ class Trainer:
         job, committed, spec = event.job, snapshot.committed, snapshot.record.spec
         deliveries = list(pending.held.values())
         sampled = next((v for v in sorted(pending.sampled_versions) if v != pending.version), pending.version)
-        stepped = time.time()
+        stepped, began = time.time(), time.monotonic()
         try:
             adapter_version, result = await asyncio.to_thread(self._step, job, spec)
         except NonFiniteUpdate as exc:
@@ -259,6 +262,7 @@ class Trainer:
                 with contextlib.suppress(Exception):
                     await delivery.nak(0.5)
             raise
+        await report_usage(self.bus, SERVICE, job, UsageCounters(train_s=time.monotonic() - began))
         result.metrics.update(pending.metrics)
         result.metrics["staleness"] = float(pending.version - sampled)  # 0 but at grpo.max_staleness >= 1
         # the span of the step itself; each group's work before it is an "accumulate" span
@@ -302,6 +306,7 @@ class Trainer:
                         max_staleness=spec.grpo.max_staleness,
                         committed_version=committed.version, threads=torch.get_num_threads()) as attrs:
             async with delivery.keep_alive():
+                began = time.monotonic()
                 try:
                     adapter_version, result = await asyncio.to_thread(self._train, committed, batch, spec)
                 except NonFiniteUpdate as exc:
@@ -311,8 +316,10 @@ class Trainer:
                 except Exception:  # the step may have moved the in-memory weights: never train on them
                     self.policy.evict(job)
                     raise
+                trained_s = time.monotonic() - began
             attrs["adapter_version"] = adapter_version
             attrs.update({k: v for k, v in result.metrics.items()})
+        await report_usage(self.bus, SERVICE, job, batch_usage(batch, trained_s))
         log.info("trained", job=job, version=version, batch_id=event.batch_id,
                  reward=round(result.metrics.get("reward/mean", float("nan")), 4),
                  loss=round(result.metrics["loss"], 4))
@@ -402,6 +409,13 @@ class Trainer:
         self.policy.evict(event.job)
         await self._fail(event.job, event.version,
                          f"batch {event.batch_id} failed after {delivery.num_delivered} attempts: {exc}")
+
+
+def batch_usage(batch: TrajectoryBatch, seconds: float) -> UsageCounters:
+    """What training ``batch`` (or a group of it) used: its samples, the tokens its loss masks
+    train on, and the trainer's ``seconds`` (metering, ``marlaas.platform.usage``)."""
+    return UsageCounters(train_tokens=sum(sum(s.loss_mask) for s in batch.samples),
+                         train_samples=len(batch.samples), train_s=seconds)
 
 
 async def run(rt: Runtime) -> None:

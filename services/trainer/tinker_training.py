@@ -44,6 +44,7 @@ from marlaas.platform.events import GrpoSettings, LoraSettings
 from marlaas.platform.store import ObjectStore
 from marlaas.platform.telemetry import span
 from marlaas.platform.tenant_turns import TenantQueues
+from marlaas.platform.usage import UsageCounters, report_usage, tinker_job
 from services.trainer.grpo import micro_batches
 from services.trainer.policy import NonFiniteUpdate, PolicyTrainer
 from services.trainer.tinker_losses import (
@@ -76,6 +77,8 @@ class Done:
     body: bytes
     live: wire.TinkerLive | None = None
     records: list[tuple[str, str, msgspec.Struct]] = field(default_factory=list)
+    tokens: int = 0  # target tokens trained on (a forward_backward's; metering)
+    samples: int = 0  # datums trained on
 
 
 class UserError(Exception):
@@ -203,6 +206,17 @@ class TinkerTrainer:
                 return await delivery.nak(0.05)
         if request.kind == "refused":  # the gateway refused it: only its place in the order is taken
             return await self._advance(request, live, None)
+        started, done = time.monotonic(), None
+        try:
+            done = await self._do(request, model, live, delivery)
+        finally:  # metered whether it succeeded or not: the trainer's time was spent either way
+            await report_usage(self.bus, "trainer", tinker_job(request.tenant), UsageCounters(
+                train_s=time.monotonic() - started, train_tokens=done.tokens if done else 0,
+                train_samples=done.samples if done else 0, tinker_requests=1), tenant=request.tenant)
+
+    async def _do(self, request: wire.TrainRequest, model: wire.TinkerModel, live: wire.TinkerLive | None,
+                  delivery: Delivery) -> Done | None:
+        """Do a request in its turn, record the model's progress and the future: its Done (None: failed)."""
         try:
             async with span(self.bus, "trainer", f"tinker_{request.kind}", wire.span_job(request.tenant), 0,
                             model=request.model_id, seq_id=request.seq_id):
@@ -212,16 +226,18 @@ class TinkerTrainer:
                     done = await asyncio.to_thread(self._run, request, model, live, checkpoint, sequences)
         except (UserError, LossInputError, NonFiniteUpdate) as exc:
             await self._advance(request, live, None)
-            return await wire.fail(self.bus, self.store, request.request_id, request.tenant, str(exc))
+            await wire.fail(self.bus, self.store, request.request_id, request.tenant, str(exc))
+            return None
         except GradientsLost as exc:
             await self._advance(request, msgspec.structs.replace(live, lost_from=0), None)
-            return await wire.fail(self.bus, self.store, request.request_id, request.tenant, str(exc),
-                                   category="server")
+            await wire.fail(self.bus, self.store, request.request_id, request.tenant, str(exc), category="server")
+            return None
         except Exception as exc:
             log.exception("tinker request failed", model=request.model_id, kind=request.kind)
             await self._advance(request, live, None)
-            return await wire.fail(self.bus, self.store, request.request_id, request.tenant,
-                                   f"the trainer failed on {request.kind}: {exc!r}", category="server")
+            await wire.fail(self.bus, self.store, request.request_id, request.tenant,
+                            f"the trainer failed on {request.kind}: {exc!r}", category="server")
+            return None
         for kind, ident, record in done.records:  # written here, never from the thread: see _run
             await wire.write(self.bus, kind, ident, record)
             if kind == "checkpoint":
@@ -229,6 +245,7 @@ class TinkerTrainer:
         await self._advance(request, live, done.live)
         await wire.finish(self.bus, self.store, wire.TinkerFuture(
             request_id=request.request_id, tenant=request.tenant, media=done.media, body=done.body))
+        return done
 
     async def is_alive(self, replica: str) -> bool:
         beat = await wire.read(self.bus, "replica", replica, wire.ReplicaBeat)
@@ -281,7 +298,7 @@ class TinkerTrainer:
             body = json.loads(request.body) if request.kind != "forward_backward" else None
             match request.kind:
                 case "forward_backward":
-                    return Done("proto", self._forward_backward(model, request.body, sequences))
+                    return self._forward_backward(model, request.body, sequences)
                 case "optim_step":
                     return Done("json", *self._optim_step(model, live, body))
                 case "save_weights" | "save_weights_for_sampler":
@@ -355,7 +372,7 @@ class TinkerTrainer:
         self.policy.load(job, live.steps, config_json, weights, optimizer, GrpoSettings())
         log.info("tinker model loaded from its last step", model=model.id, steps=live.steps)
 
-    def _forward_backward(self, model: wire.TinkerModel, body: bytes, sequences: dict) -> bytes:
+    def _forward_backward(self, model: wire.TinkerModel, body: bytes, sequences: dict) -> Done:
         """The request's loss and its gradients, added to the model's; a request that fails adds nothing."""
         request = pb.ForwardBackwardRequest()
         request.ParseFromString(body)
@@ -393,7 +410,9 @@ class TinkerTrainer:
             record.fields[name].CopyFrom(batched([out[name] for out in per_datum], pb.DTYPE_FLOAT32))
         result = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
         result.metrics["loss:sum"] = total
-        return result.SerializeToString()
+        trained = not request.forward_only
+        return Done("proto", result.SerializeToString(), tokens=sum(lengths) if trained else 0,
+                    samples=len(data) if trained else 0)
 
     def _datum(self, i: int, datum: pb.Datum, loss_fn: str,
                sequences: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

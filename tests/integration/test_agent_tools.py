@@ -245,3 +245,18 @@ async def test_a_turn_not_read_within_its_deadline_cuts_only_its_episode(served)
                     temperature=1.0, lora=None, seed=lambda turn: turn))
     assert cut.end_reason == "read_timeout" and cut.truncated and cut.turns == 1 and cut.tool_calls == 0
     assert whole.end_reason == "answer" and whole.tool_successes == 1 and whole.turns == 2
+
+
+@pytest.mark.timeout(60)
+async def test_an_episodes_usage_is_what_the_engine_was_asked_and_the_tool_took(served):
+    from services.rollout.episode import episodes_usage
+
+    engine = ScriptedEngine([render_call("acme.slow", {"seconds": 0.3}), "done"])
+    prompt = FMT.prompt_ids("q=", [])
+    box = ToolBox("acme.job-1", ["acme.slow"], served.request, LIMITS.tool_timeout_s)
+    episode = await run_episode(engine, FMT, prompt, tools=box, limits=LIMITS, temperature=1.0, lora=None,
+                                seed=lambda turn: turn)
+    used = episodes_usage([episode])
+    assert used.prefill_tokens == sum(len(ids) for ids in engine.requests)  # every request's prompt, as sent
+    assert used.generated_tokens == sum(len(s.ids) for s in episode.segments if s.kind == "sampled")
+    assert used.episodes == 1 and used.tool_calls == 1 and 0.3 <= used.tool_s < LIMITS.tool_timeout_s

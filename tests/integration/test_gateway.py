@@ -128,7 +128,8 @@ TENANT_ENDPOINTS = [("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/v1/jobs
                     ("POST", "/v1/files"), ("GET", "/v1/files"), ("DELETE", "/v1/files/file-0123"),
                     ("POST", "/v1/adapters"), ("GET", "/v1/adapters"),
                     ("DELETE", "/v1/adapters/adapter-0123"),
-                    ("GET", "/v1/tinker/checkpoint")]  # a Tinker checkpoint's weights (docs/tinker.md)
+                    ("GET", "/v1/tinker/checkpoint"),  # a Tinker checkpoint's weights (docs/tinker.md)
+                    ("GET", "/v1/usage")]
 AGENTIC = {"task": "multiply", "steps": 2, "grpo": {"prompts_per_step": 1, "group_size": 2}}  # fits the budget
 BAD_SUBMISSIONS = [  # (body or json, headers, status, what the message must say)
     (b'{"task": "addition", "steps": 2', {}, 400, ["not valid JSON", "send one JSON object"]),
@@ -294,7 +295,9 @@ def test_a_job_end_to_end_events_resume_versions_pin_and_adapter(stack, url, tok
     trainer_busy = float(next(line.split()[1] for line in text.splitlines()
                               if line.startswith("marlaas_trainer_busy_seconds_total")))
     assert trainer_busy > 0
-    assert "alice" not in text and job not in text  # no tenant or job labels
+    assert job not in text  # no job labels; a tenant label only on the usage figures (issue 40)
+    assert all(line.startswith(("marlaas_usage_", "# HELP marlaas_usage_", "# TYPE marlaas_usage_"))
+               for line in text.splitlines() if "alice" in line), text
 
 
 def load_with_peft(adapter_dir) -> None:
@@ -372,6 +375,58 @@ def test_tenants_see_and_touch_only_their_own_jobs(stack, url, tokens, alice, bo
         assert raw.get("/v1/jobs", headers={"Authorization": f"Basic {tokens['alice']}"}).status_code == 401
     with Client(url, tokens["carol"]) as carol, pytest.raises(Unauthorized, match="revoked"):
         carol.jobs()
+
+
+def usage_of(url: str, token: str, job: str, settled, timeout_s: float = 60.0) -> dict:
+    """``GET /v1/usage?job=`` as ``token``, read again until ``settled(counters)`` (the manager
+    folds the services' events a moment after they happen)."""
+    deadline = time.monotonic() + timeout_s
+    with http(url, token) as raw:
+        while True:
+            answer = raw.get("/v1/usage", params={"job": job})
+            assert answer.status_code == 200, answer.text
+            report = answer.json()
+            if settled(report["total"]) or time.monotonic() > deadline:
+                return report
+            time.sleep(0.5)
+
+
+def test_usage_counts_what_a_job_did_and_only_its_tenant_sees_it(stack, url, tokens, finished_job):
+    from marlaas.platform.telemetry import read_spans
+
+    job, spec = finished_job, SMALL["grpo"]
+    samples = SMALL["steps"] * spec["prompts_per_step"] * spec["group_size"]
+    spans = run(with_bus(stack, lambda bus: read_spans(bus, job)))
+    report = usage_of(url, tokens["alice"], job,
+                      lambda t: t["episodes"] >= samples and t["train_samples"] >= samples)
+    used = report["total"]
+    assert [r["key"] for r in report["by_job"]] == [job] and len(report["by_day"]) >= 1
+    # the engine: each sample generated once, its tokens those the generate spans counted from the episodes
+    generated = sum(s.attrs["tokens"] for s in spans if s.service == "rollout" and s.phase == "generate")
+    assert not [s for s in spans if s.phase == "eval"]
+    assert used["episodes"] == samples and used["generated_tokens"] == generated > 0
+    assert used["prefill_tokens"] >= samples  # one request per single-turn sample, each a prompt of >= 1 token
+    # the trainer: every sample trained, on exactly the tokens the engine generated (single-turn: all loss-masked),
+    # in seconds within its train spans
+    train_spans = [s for s in spans if s.service == "trainer" and s.phase == "train"]
+    span_s = sum(s.end - s.start for s in train_spans)
+    assert used["train_samples"] == samples and used["train_tokens"] == generated
+    assert 0.5 * span_s <= used["train_s"] <= span_s, (used["train_s"], span_s)
+    assert used["tool_calls"] == 0 and used["tinker_requests"] == 0
+    assert report["files_bytes"] >= 0 and report["by_tenant"] == []
+    # another tenant never sees it, even when it asks for it by name
+    for params in ({}, {"job": job}, {"tenant": "alice"}):
+        theirs = httpx.get(f"{url}/v1/usage", params=params, headers=bearer(tokens["bob"])).json()
+        assert job not in json.dumps(theirs) and all(r["tenant"] == "bob" for r in theirs["records"])
+    # the operator sees every tenant's, also by tenant, on /v1/usage, `marlaas usage` and /metrics
+    everyone = httpx.get(f"{url}/v1/usage", headers=bearer(stack.operator_token)).json()
+    assert "alice" in [r["key"] for r in everyone["by_tenant"]]
+    assert next(r for r in everyone["by_job"] if r["key"] == job)["counters"] == used
+    cli = marlaas(stack, "usage", "--tenant", "alice")
+    assert cli.returncode == 0, cli.stderr
+    assert next(r for r in json.loads(cli.stdout)["by_job"] if r["key"] == job)["counters"] == used
+    scraped = httpx.get(f"{url}/metrics", headers=bearer(stack.operator_token)).text
+    assert re.search(r'^marlaas_usage_train_samples_total\{tenant="alice"\} [0-9.e+]+$', scraped, re.M)
 
 
 @pytest.mark.timeout(300)

@@ -135,6 +135,7 @@ async def test_a_tenant_cannot_hear_or_serve_another_tenants_subjects(acme, serv
                     "marlaas.job.*.other.>", "marlaas.tool.other.calc", "marlaas.reward.other.score",
                     "marlaas.trajectory.ready.acme.>", "marlaas.span.acme.>", "_INBOX.>",
                     "marlaas.tinker.train.other", "marlaas.tinker.sample.>", "$KV.tinker.>",
+                    "marlaas.usage.acme", "marlaas.usage.>", "$KV.usage.acme.>",  # metering: platform only
                     "_INBOX_other.>", "marlaas.>", ">"):
         await acme.nc.subscribe(subject)
         await acme.refused("subscription", subject)
@@ -152,7 +153,8 @@ async def test_a_tenant_cannot_hear_or_serve_another_tenants_subjects(acme, serv
 
 async def test_a_tenant_cannot_publish_on_service_subjects_or_touch_jetstream(acme, services):
     before = {s: (await services.js.stream_info(s)).state.messages
-              for s in ("JOBS", "POLICY", "TRAJ", "METRICS", "TINKER", "KV_jobs", "KV_tenants", "KV_tinker")}
+              for s in ("JOBS", "POLICY", "TRAJ", "METRICS", "TINKER", "USAGE", "KV_jobs", "KV_tenants", "KV_tinker",
+                        "KV_usage")}
     for subject in ("marlaas.trajectory.ready.acme.j1", "marlaas.policy.committed.acme.j1",
                     "marlaas.job.submitted.acme.j1", "marlaas.job.state.other.j1", "marlaas.api.submit",
                     "marlaas.span.acme.j1", "marlaas.tool.other.calc", "marlaas.reward.other.score",
@@ -160,6 +162,8 @@ async def test_a_tenant_cannot_publish_on_service_subjects_or_touch_jetstream(ac
                     # the Tinker API's work queues and records: only the gateway writes them
                     "marlaas.tinker.train.acme", "marlaas.tinker.sample.acme", "$KV.tinker.model.acme.x",
                     "$KV.tinker_futures.future.x",
+                    # metering: a tenant can neither report usage nor touch the ledger
+                    "marlaas.usage.acme", "marlaas.usage.other", "$KV.usage.acme.2026-01-01.j1",
                     "$JS.API.DIRECT.GET.KV_tenants", "$JS.API.STREAM.MSG.GET.POLICY",
                     "$JS.API.STREAM.INFO.TRAJ", "$JS.API.STREAM.PURGE.KV_tools",
                     "$JS.API.CONSUMER.MSG.NEXT.POLICY.events-other",

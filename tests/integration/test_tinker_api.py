@@ -689,3 +689,35 @@ def test_a_trainer_restart_between_forward_backward_and_optim_step_fails_the_ste
     client.forward_backward([datum], "cross_entropy").result()
     assert client.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["grad_norm:mean"] > 0
     assert live_steps(stack, client.model_id) == 1
+
+
+# --- metering: what a Tinker client used is counted where it was done --------------------------------
+
+def test_a_tinker_clients_usage_is_what_it_did_and_only_its_tenant_sees_it(stack, url, keys):
+    out = tenant_cli_ok(stack.home, "add", "hank")
+    gateway = url.removesuffix("/tinker")
+    with tinker.ServiceClient(base_url=url, api_key=out["tinker_api_key"]) as service:
+        client = service.create_lora_training_client(base_model=BASE, rank=4).result()
+        ids = client.get_tokenizer().encode("The capital of Peru is Lima.")
+        client.forward_backward([ce_datum(ids)], "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        sampler = client.save_weights_and_get_sampling_client().result()
+        sampled = sampler.sample(types.ModelInput.from_ints(ids[:5]), 3, types.SamplingParams(max_tokens=6)).result()
+    expected = {"tinker_requests": 5,  # create_model, forward_backward, optim_step, save_weights_for_sampler, sample
+                "train_tokens": len(ids) - 1, "train_samples": 1, "prefill_tokens": 5 * 3,
+                "generated_tokens": sum(len(s.tokens) for s in sampled.sequences), "episodes": 3}
+    job = "hank.tinker"
+    deadline = time.monotonic() + 60
+    while True:  # the manager folds the services' events a moment after they happen
+        report = httpx.get(f"{gateway}/v1/usage", params={"job": job},
+                           headers={"Authorization": f"Bearer {out['token']}"}).json()
+        used = report["total"]
+        if all(used[k] >= v for k, v in expected.items()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert {k: used[k] for k in expected} == expected, used
+    trainer_s = sum(s.end - s.start for s in spans(stack) if s.job == job and s.service == "trainer")
+    assert 0 < used["train_s"] and trainer_s <= used["train_s"] <= trainer_s + 5.0, (used["train_s"], trainer_s)
+    bob = httpx.get(f"{gateway}/v1/usage", params={"job": job},
+                    headers={"Authorization": f"Bearer {keys['bob'].removeprefix('tml-')}"}).json()
+    assert job not in json.dumps(bob), bob

@@ -94,6 +94,9 @@ def test_alice_sees_her_job_and_its_curve_and_not_bobs(site, browser, tmp_path):
     sign_in(browser, url, tokens["alice"])
     row = until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, f'tr[data-job="{mine}"]'), "alice's job listed")[0]
     assert "completed" in row.text and "3 / 3" in row.text
+    used = until(browser, lambda d: [r.text for r in d.find_elements(By.CSS_SELECTOR, "#usage tbody tr")
+                                     if r.text.startswith(mine)], "no usage row for alice's job")
+    assert used and used[0].split()[1] != "0"  # tokens generated
     assert theirs not in browser.page_source  # bob's job is nowhere on alice's page
     row.click()
     (curve,) = until(browser, lambda d: drawn(d, "#chart-reward polyline"), "no reward curve")

@@ -47,6 +47,7 @@ from marlaas.platform.events import (
     TrajectoryBatch,
     TrajectoryReady,
 )
+from marlaas.platform.usage import USAGE, USAGE_RECORD, UsageCounters, UsageRecord, UsageReported
 
 SPEC = JobSpec(
     id="acme.add-1", tenant="acme", name="add-1", task="toy.add", steps=40, seed=7,
@@ -89,6 +90,10 @@ EXAMPLES = [
                            last_commit_at=180.0, finished_at=181.0)),
     (JOB, JobWarningReported(job=SPEC.id, service="rollout", key="tool acme.weather",
                              warning="not answering since 12:00:00", at=1.5)),
+    (USAGE, UsageReported(tenant=SPEC.tenant, job=SPEC.id, service="trainer", at=131.0,
+                          counters=UsageCounters(train_tokens=96, train_samples=2, train_s=0.25))),
+    (USAGE_RECORD, UsageRecord(tenant=SPEC.tenant, day="2026-01-01", job=SPEC.id, events=3, last_seq=17,
+                               counters=UsageCounters(generated_tokens=128, tool_calls=2, tool_s=0.5))),
 ]
 
 

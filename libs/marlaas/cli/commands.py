@@ -1,5 +1,5 @@
 """``marlaas``: up, down, info, tasks, submit, list, status, watch, cancel, delete, pull, report,
-bench (and ``tenant``).
+bench (and the operator's ``tenant`` and ``usage``).
 
 Job commands go through the HTTP API with the SDK (``marlaas.Client.from_env``: the
 gateway and the default tenant's token of the stack under the home dir, or
@@ -583,12 +583,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="directory for results.json, results.md and the plots")
     # --- tenant administration: `marlaas tenant ...` from libs/marlaas/stack/admin.py, where it exists ---
     try:
-        from marlaas.stack.admin import add_tenant_commands
+        from marlaas.stack.admin import add_tenant_commands, add_usage_command
     except ModuleNotFoundError as exc:
         if exc.name != "marlaas.stack.admin":
             raise
     else:
         add_tenant_commands(sub)
+        add_usage_command(sub)
     return parser
 
 

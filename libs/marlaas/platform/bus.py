@@ -85,6 +85,7 @@ TENANTS_BUCKET = "tenants"
 SAMPLED_BUCKET = "sampled"  # per job: the last version whose batch rollout published
 TINKER_BUCKET = "tinker"  # the Tinker API's sessions, models, samplers, checkpoints
 TINKER_FUTURES_BUCKET = "tinker_futures"  # the Tinker API's finished requests, kept an hour
+USAGE_BUCKET = "usage"  # metering: one record per tenant, UTC day and job (marlaas.platform.usage)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ STREAMS = (
     StreamSpec("TRAJ", [subjects.TRAJ_STREAM], work_queue=True),
     StreamSpec("METRICS", [subjects.METRICS_STREAM], max_age_s=7 * 24 * 3600),
     StreamSpec("TINKER", [subjects.TINKER_STREAM], work_queue=True),  # Tinker clients' requests
+    StreamSpec("USAGE", [subjects.USAGE_STREAM], max_age_s=30 * 24 * 3600),  # folded into the usage bucket
 )
 
 
@@ -119,6 +121,7 @@ BUCKETS = (
     BucketSpec(SAMPLED_BUCKET, history=1),
     BucketSpec(TINKER_BUCKET, history=1),
     BucketSpec(TINKER_FUTURES_BUCKET, history=1, ttl_s=3600.0),  # the SDK collects a result in seconds
+    BucketSpec(USAGE_BUCKET, history=1),
 )
 
 

@@ -15,6 +15,7 @@ subject                                     stream      from -> to
 ``marlaas.policy.committed.<job>``          POLICY      trainer (manager: v0) -> rollout, manager
 ``marlaas.trajectory.ready.<job>``          TRAJ        rollout -> trainer (work queue)
 ``marlaas.span.<job>``                      METRICS     every service -> manager, gateway
+``marlaas.usage.<tenant>``                  USAGE       rollout, trainer -> manager (platform only)
 ``marlaas.tinker.train.<tenant>``           TINKER      gateway -> trainer (work queue)
 ``marlaas.tinker.sample.<tenant>``          TINKER      gateway -> rollout (work queue)
 ``marlaas.api.<call>``                      (core)      gateway, CLI -> manager (request/reply)
@@ -66,6 +67,11 @@ def span(job: str = ">") -> str:
     return f"{PREFIX}.span.{job}"
 
 
+def usage(tenant: str = "*") -> str:
+    """Metering events of ``tenant``'s work (``marlaas.platform.usage``); no tenant account sees them."""
+    return f"{PREFIX}.usage.{tenant}"
+
+
 TINKER_TRAIN = f"{PREFIX}.tinker.train"  # .<tenant>: each tenant's queue (platform.tenant_turns reads them)
 TINKER_SAMPLE = f"{PREFIX}.tinker.sample"
 
@@ -94,6 +100,7 @@ POLICY_STREAM = f"{PREFIX}.policy.>"
 TRAJ_STREAM = f"{PREFIX}.trajectory.>"
 METRICS_STREAM = span(">")
 TINKER_STREAM = f"{PREFIX}.tinker.>"
+USAGE_STREAM = usage("*")
 
 # the manager's request/reply API (a tenant's account imports none of it)
 API_SUBMIT = f"{PREFIX}.api.submit"

@@ -251,3 +251,40 @@ def cmd_init_auth(args, config: Config) -> int:
     else:
         print(f"{auth_file}: {outcome}")
     return 0
+
+
+# --- `marlaas usage`: the operator's view of metering -----------------------------------------
+
+
+def add_usage_command(subparsers) -> argparse.ArgumentParser:
+    """Add ``usage`` (every tenant's metered use, from the ``usage`` bucket) to the parser's subparsers."""
+    p = subparsers.add_parser("usage", help="what each tenant's work used (engine tokens, trainer seconds, tools), "
+                                            "by tenant, job or day; the operator's view")
+    p.add_argument("--json", action="store_true", help="machine-readable output (the report and its records)")
+    p.add_argument("--tenant", help="one tenant only")
+    p.add_argument("--day", help="one UTC day only (YYYY-MM-DD)")
+    p.add_argument("--by", choices=("tenant", "job", "day"), default="tenant", help="how rows are summed")
+    p.set_defaults(fn=cmd_usage)
+    return p
+
+
+USAGE_COLUMNS = ("prefill_tokens", "generated_tokens", "train_tokens", "train_s", "tool_calls", "tool_s",
+                 "tinker_requests")
+
+
+def cmd_usage(args, config: Config) -> int:
+    import msgspec
+
+    from marlaas.platform.usage import read_usage, summarize
+
+    records = asyncio.run(_with_bus(config, lambda bus, url: read_usage(bus, args.tenant or "")))
+    report = summarize([r for r in records if not args.day or r.day == args.day], by_tenant=True)
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(report)))
+        return 0
+    rows = {"tenant": report.by_tenant, "job": report.by_job, "day": report.by_day}[args.by]
+    print(f"{args.by:<40} " + " ".join(f"{c:>16}" for c in USAGE_COLUMNS))
+    for row in [*rows, type(rows[0])(key="total", counters=report.total)] if rows else []:
+        cells = (getattr(row.counters, c) for c in USAGE_COLUMNS)
+        print(f"{row.key:<40} " + " ".join(f"{v:>16.1f}" if isinstance(v, float) else f"{v:>16}" for v in cells))
+    return 0

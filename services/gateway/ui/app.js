@@ -67,11 +67,30 @@ async function refresh() {
   try {
     const jobs = await (await api("/v1/jobs")).json();
     renderJobs(jobs);
+    refreshUsage();
     $("#app-error").textContent = "";
     if (selected) renderDetail(jobs.find((job) => job.id === selected));
   } catch (error) {
     $("#app-error").textContent = `Could not list your jobs: ${error.message}`;
   }
+}
+
+// what the tenant's jobs used (GET /v1/usage: metering, docs/tenants.md), one row per job
+const USAGE_COLUMNS = [["generated_tokens", 0], ["prefill_tokens", 0], ["train_s", 1], ["train_tokens", 0],
+  ["tool_calls", 0], ["tool_s", 1]];
+
+async function refreshUsage() {
+  try {
+    const report = await (await api("/v1/usage")).json();
+    const body = $("#usage tbody");
+    body.replaceChildren();
+    for (const row of [...report.by_job, { key: "total", counters: report.total }]) {
+      const line = element("tr");
+      line.append(element("td", row.key));
+      for (const [name, digits] of USAGE_COLUMNS) line.append(element("td", fmt(row.counters[name], digits)));
+      body.append(line);
+    }
+  } catch (error) { /* usage is a side panel: the job list reports what is wrong */ }
 }
 
 function renderJobs(jobs) {
