@@ -513,6 +513,18 @@ def test_tinker_models_count_against_the_tenants_job_quota(stack, url):
         jobs.cancel(jobs.submit({**SMALL_JOB, "steps": 1}))  # the session is over: its model no longer counts
 
 
+def test_the_operator_sets_a_tenants_weight(stack):
+    from tests.tenant_admin import tenant_cli
+
+    tenant_cli_ok(stack.home, "add", "ivan")
+    assert tenant_cli_ok(stack.home, "set", "ivan", "--weight", "2.5")["weight"] == 2.5
+    assert {t["name"]: t["weight"] for t in tenant_cli_ok(stack.home, "list")["tenants"]}["ivan"] == 2.5
+    code, out = tenant_cli(stack.home, "set", "ivan", "--weight", "0")
+    assert code == 2 and "above 0" in out["error"], out
+    code, out = tenant_cli(stack.home, "set", "nobody", "--weight", "2")
+    assert code == 2 and "no tenant 'nobody'" in out["error"], out
+
+
 def test_jobs_and_a_tinker_client_share_the_engine(stack, url):
     """Two marlaas jobs and a Tinker client of the same tenant at once: all finish, and the Tinker
     client's samples were in the engine while each job generated (one batch: multi-LoRA)."""

@@ -110,3 +110,28 @@ async def test_the_single_consumer_of_before_is_retired(bus):
     names = [info.name for info in await bus.js.consumers_info("TINKER")]
     assert "trainer-tinker" not in names and "trainer-tinker-alice" in names
 
+
+
+async def test_tenants_weights_divide_the_queues_time(bus):
+    """alice of weight 3 (`marlaas tenant set alice --weight 3`) and bob of 1, both with requests
+    always waiting, bob's twice as long as alice's: alice has the queue three quarters of the time."""
+    from marlaas.platform.tenants import add_tenant, set_tenant
+
+    for name in ("alice", "bob"):
+        await add_tenant(bus, name)
+    assert (await set_tenant(bus, "alice", weight=3)).weight == 3.0
+    await queue(bus, "alice", 80)
+    await queue(bus, "bob", 80)
+    seconds = {"alice": 0.0, "bob": 0.0}
+
+    async def handler(delivery: Delivery) -> None:
+        tenant = delivery.data.decode().split(":")[0]
+        took = 0.05 if tenant == "alice" else 0.1
+        await asyncio.sleep(took)
+        seconds[tenant] += took
+
+    queues = TenantQueues(bus, "TINKER", "trainer-tinker", SUBJECT, ack_wait_s=20, max_deliver=-1)
+    async with serving(queues, handler):
+        await eventually(lambda: sum(seconds.values()) >= 3.0, timeout_s=30, what="3 s of requests served")
+    share = seconds["alice"] / sum(seconds.values())
+    assert abs(share - 0.75) <= 0.75 * 0.15, seconds  # within 15 % of its weight's share

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from marlaas.platform.tenant_turns import next_turn
+from marlaas.platform.tenant_turns import lifted, next_turn
 
 
 def serve(waiting: dict[str, int], turns: int, **kw) -> list[str]:
@@ -48,3 +48,25 @@ def test_requests_in_hand_are_not_waiting_and_a_tenant_at_its_cap_is_skipped():
     assert next_turn({"bob": 5}, None, in_hand={"bob": 1}, per_tenant=2) == "bob"
     # every request of alice's in hand: none of hers is waiting
     assert next_turn({"alice": 2, "bob": 1}, "bob", in_hand={"alice": 2}) == "bob"
+
+
+def test_the_tenant_with_the_least_weighted_time_goes_first_and_idling_earns_no_credit():
+    assert next_turn({"alice": 5, "bob": 5}, None, virtual={"alice": 0.4, "bob": 0.1}) == "bob"
+    assert next_turn({"alice": 5, "bob": 5}, "alice", virtual={"alice": 0.1, "bob": 0.1}) == "bob"  # a tie: turns
+    # carol stopped waiting: forgotten; dave starts level with the least of those waiting, not at 0
+    assert lifted({"alice": 3.0, "bob": 5.0, "carol": 0.5}, {"alice": 1, "bob": 2, "dave": 1}) == \
+        {"alice": 3.0, "bob": 5.0, "dave": 3.0}
+    assert lifted({}, {"alice": 1, "bob": 0}) == {"alice": 0.0}
+
+
+def test_weights_divide_the_time_of_tenants_that_keep_requests_waiting():
+    """alice (weight 3, requests of 0.1 s) and bob (weight 1, requests of 0.2 s), both backlogged:
+    alice gets three quarters of the time, though bob's requests are twice as long."""
+    weights, cost = {"alice": 3.0, "bob": 1.0}, {"alice": 0.1, "bob": 0.2}
+    waiting, virtual, used, last = {"alice": 1000, "bob": 1000}, {}, {"alice": 0.0, "bob": 0.0}, None
+    for _ in range(400):
+        virtual = lifted(virtual, waiting)
+        last = next_turn(waiting, last, virtual=virtual)
+        virtual[last] += cost[last] / weights[last]
+        used[last] += cost[last]
+    assert abs(used["alice"] / (used["alice"] + used["bob"]) - 0.75) < 0.01, used

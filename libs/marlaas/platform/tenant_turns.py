@@ -3,10 +3,14 @@
 A work-queue stream read by one consumer is one FIFO for every tenant: a tenant that queues a
 hundred large requests makes every other tenant's request wait for all of them (issue 35, F4 and
 F7). Here the queue is read through one durable consumer per tenant (``<durable>-<tenant>``,
-filtered on ``<subject>.<tenant>``), and the next request is taken from the tenant whose turn it is:
-round-robin over the tenants with a request waiting (:func:`next_turn`, pure), skipping those that
-already have ``per_tenant`` requests in hand. Within a tenant the order is the stream's, as before;
-acks, naks, redelivery and ``max_deliver`` are the bus's (``Bus.consume``), unchanged.
+filtered on ``<subject>.<tenant>``), and the next request is taken from the tenant whose turn it is
+(:func:`next_turn`, pure), skipping those that already have ``per_tenant`` requests in hand: the
+waiting tenant that has had the least of the queue's time for its weight (``marlaas tenant set NAME
+--weight W``; seconds in hand divided by the weight, counted while it keeps requests waiting: a
+tenant that comes back after idling starts level with the others, :func:`lifted`), ties in
+round-robin order. Two tenants of weights 3 and 1 with requests always waiting get three quarters
+and one quarter of the queue's time, however large each one's requests are. Within a tenant the
+order is the stream's, as before; acks, naks, redelivery and ``max_deliver`` are the bus's (``Bus.consume``), unchanged.
 
 Which tenants have requests waiting comes from the stream itself (its per-subject counts): a
 work-queue stream holds exactly the requests not yet acked, those in hand included.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import Counter
 from collections.abc import Mapping
 
@@ -25,28 +30,44 @@ import structlog
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from marlaas.platform.bus import Bus, Delivery, GiveUp, Handler, settle
-from marlaas.platform.tenants import TENANT_RE
+from marlaas.platform.tenants import TENANT_RE, list_tenants
 
 log = structlog.get_logger("marlaas.platform.tenant_turns")
 IDLE_S = 0.2  # how often an idle queue looks for waiting requests again
 FETCH_S = 0.2  # a turn's fetch waits this long (a tenant's only request may be put back for a moment)
+WEIGHTS_EVERY_S = 5.0  # the tenants' weights are read again this often
 CONSUMER_IDLE_S = 3600.0  # a tenant's consumer unused this long is removed by the server (re-added on use)
 
 
+def lifted(virtual: Mapping[str, float], waiting: Mapping[str, int]) -> dict[str, float]:
+    """Each waiting tenant's time in the queue so far, for its weight (``virtual``, seconds): a tenant
+    that stopped waiting is forgotten, and one that starts (again) is put level with the least of the
+    others, so that idling earns no credit to spend later."""
+    active = {t for t, n in waiting.items() if n > 0}
+    kept = {t: v for t, v in virtual.items() if t in active}
+    floor = min(kept.values(), default=0.0)
+    return {t: kept.get(t, floor) for t in active}
+
+
 def next_turn(waiting: Mapping[str, int], last_served: str | None,
-              in_hand: Mapping[str, int] | None = None, per_tenant: int | None = None) -> str | None:
+              in_hand: Mapping[str, int] | None = None, per_tenant: int | None = None,
+              virtual: Mapping[str, float] | None = None) -> str | None:
     """The tenant to take a request from next (None: nobody may be served now).
 
     ``waiting`` counts each tenant's requests in the queue (those in hand included), ``in_hand``
     those being served; a tenant is a candidate when it has more waiting than in hand and fewer
     than ``per_tenant`` in hand. Candidates take turns in name order, starting after
     ``last_served``: a tenant's backlog, however long, never puts another's request behind more
-    than one of its own per turn."""
+    than one of its own per turn. With ``virtual`` (each tenant's weighted time, :func:`lifted`), the
+    candidate with the least goes first; the round-robin order breaks ties."""
     in_hand = in_hand or {}
     candidates = sorted(t for t, n in waiting.items()
                         if n > in_hand.get(t, 0) and (per_tenant is None or in_hand.get(t, 0) < per_tenant))
     if not candidates:
         return None
+    if virtual is not None:
+        least = min(virtual.get(t, 0.0) for t in candidates)
+        candidates = [t for t in candidates if virtual.get(t, 0.0) <= least + 1e-9]
     return next((t for t in candidates if last_served is None or t > last_served), candidates[0])
 
 
@@ -60,6 +81,9 @@ class TenantQueues:
         self.ack_wait_s, self.max_deliver, self.retry_delay_s = ack_wait_s, max_deliver, retry_delay_s
         self.concurrency, self.per_tenant, self.on_give_up = concurrency, per_tenant, on_give_up
         self.in_hand: Counter[str] = Counter()
+        self.virtual: dict[str, float] = {}  # each waiting tenant's seconds in hand, over its weight
+        self.weights: dict[str, float] = {}
+        self.weights_at = -WEIGHTS_EVERY_S
         self.last_served: str | None = None
         self.subs: dict[str, object] = {}
 
@@ -107,7 +131,10 @@ class TenantQueues:
                 await slots.acquire()
                 tenant = None
                 try:
-                    tenant = next_turn(await self.waiting(), self.last_served, self.in_hand, self.per_tenant)
+                    waiting = await self.waiting()
+                    self.virtual = lifted(self.virtual, waiting)
+                    await self._refresh_weights()
+                    tenant = next_turn(waiting, self.last_served, self.in_hand, self.per_tenant, self.virtual)
                     msgs = await self._fetch(tenant) if tenant is not None else []
                     failures = 0
                 except Exception as exc:  # disconnected, an election, a consumer gone: look again
@@ -137,10 +164,21 @@ class TenantQueues:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
 
+    async def _refresh_weights(self) -> None:
+        """The tenants' weights, read again every ``WEIGHTS_EVERY_S`` (a change applies within it)."""
+        if time.monotonic() - self.weights_at < WEIGHTS_EVERY_S:
+            return
+        self.weights_at = time.monotonic()
+        with contextlib.suppress(Exception):  # the bucket unreadable a moment: the last weights hold
+            self.weights = {t.name: t.weight for t in await list_tenants(self.bus)}
+
     async def _serve(self, tenant: str, delivery: Delivery, handler: Handler, slots: asyncio.Semaphore) -> None:
+        started = time.monotonic()
         try:  # settled as Bus.consume settles: ack, or nak / term by the handler's outcome
             await settle(delivery, handler, self.retry_delay_s, self.max_deliver, self.on_give_up, slots)
         finally:
+            if tenant in self.virtual:  # its time in hand, for its weight (a put-back request's moment too)
+                self.virtual[tenant] += (time.monotonic() - started) / self.weights.get(tenant, 1.0)
             self.in_hand[tenant] -= 1
             if self.in_hand[tenant] <= 0:
                 del self.in_hand[tenant]

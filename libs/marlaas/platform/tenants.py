@@ -53,6 +53,7 @@ class TenantRecord(Wire):
     token_bcrypt: str = ""  # the broker's copy (auth.conf); "" = no NATS user (an older record)
     max_jobs: int = DEFAULT_MAX_JOBS  # jobs queued or running at once
     max_samples: int = DEFAULT_MAX_SAMPLES  # samples per version of one job
+    weight: float = 1.0  # its share where tenants take turns (the Tinker queues), against the others' weights
     created_at: float = 0.0
     revoked_at: float = 0.0
 
@@ -148,6 +149,40 @@ async def revoke_tenant(bus: Bus, name: str) -> TenantRecord:
         record = msgspec.structs.replace(record, revoked_at=time.time())
         await bus.kv_update(TENANTS_BUCKET, name, encode(record), entry.revision)
     return record
+
+
+MAX_WEIGHT = 1000.0
+
+
+def check_weight(weight: float) -> float:
+    """``weight`` if a tenant may have it: a share, above 0 and at most :data:`MAX_WEIGHT`."""
+    if not (isinstance(weight, (int, float)) and 0 < weight <= MAX_WEIGHT):
+        raise TenantError(f"weight {weight!r}: give a number above 0 and at most {MAX_WEIGHT:g} (1 is the default "
+                          "share; 2 gets twice a tenant of 1 while both wait)")
+    return float(weight)
+
+
+async def set_tenant(bus: Bus, name: str, weight: float | None = None, max_jobs: int | None = None,
+                     max_samples: int | None = None) -> TenantRecord:
+    """Change ``name``'s weight or quotas (compare-and-set: a concurrent change is read again)."""
+    if weight is not None:
+        check_weight(weight)
+    for n, what in ((max_jobs, "max_jobs"), (max_samples, "max_samples")):
+        if n is not None and n < 1:
+            raise TenantError(f"{what} {n}: give a whole number of at least 1")
+    while True:
+        entry = await bus.kv_get(TENANTS_BUCKET, name)
+        if entry is None:
+            raise TenantError(f"no tenant {name!r} (`marlaas tenant list`)")
+        record = TENANT.decode(entry.value)
+        changes = {k: v for k, v in (("weight", weight), ("max_jobs", max_jobs), ("max_samples", max_samples))
+                   if v is not None}
+        record = msgspec.structs.replace(record, **changes)
+        try:
+            await bus.kv_update(TENANTS_BUCKET, name, encode(record), entry.revision)
+            return record
+        except StaleRevision:
+            continue
 
 
 async def authenticate(bus: Bus, token: str) -> TenantRecord | None:

@@ -30,7 +30,7 @@ SERVICES_PASSWORD_ENV = "MARLAAS_NATS_PASSWORD"
 
 
 def add_tenant_commands(subparsers) -> argparse.ArgumentParser:
-    """Add ``tenant add | list | revoke | sync | init-auth | sandbox-password`` to the ``marlaas`` parser's
+    """Add ``tenant add | set | list | revoke | sync | init-auth | sandbox-password`` to the ``marlaas`` parser's
     subparsers."""
     tenant = subparsers.add_parser("tenant", help="add, list or revoke tenants (API tokens, broker users)")
     actions = tenant.add_subparsers(dest="tenant_command", required=True)
@@ -48,6 +48,12 @@ def add_tenant_commands(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-jobs", type=int, default=None, help="jobs queued or running at once")
     p.add_argument("--max-samples", type=int, default=None,
                    help="samples per version of one job (grpo.prompts_per_step x grpo.group_size)")
+    p = action("set", cmd_set, "change a tenant's weight (its share where tenants take turns) or quotas")
+    p.add_argument("name")
+    p.add_argument("--weight", type=float, default=None,
+                   help="its share against the others' (default 1): 2 gets twice a tenant of 1 while both wait")
+    p.add_argument("--max-jobs", type=int, default=None, help="jobs queued or running at once")
+    p.add_argument("--max-samples", type=int, default=None, help="samples per version of one job")
     action("list", cmd_list, "list tenants")
     p = action("revoke", cmd_revoke, "revoke a tenant: its token stops working, its connections drop")
     p.add_argument("name")
@@ -166,12 +172,39 @@ def cmd_add(args, config: Config) -> int:
     return 2 if error else 0
 
 
+def cmd_set(args, config: Config) -> int:
+    from marlaas.platform.tenants import TenantError, set_tenant
+
+    def refuse(error: str) -> int:
+        if args.json:
+            _print_json({"error": error})
+        else:
+            print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    if args.weight is None and args.max_jobs is None and args.max_samples is None:
+        return refuse("say what to change: --weight W, --max-jobs N or --max-samples N")
+    try:
+        record = asyncio.run(_with_bus(config, lambda bus, url: set_tenant(
+            bus, args.name, weight=args.weight, max_jobs=args.max_jobs, max_samples=args.max_samples)))
+    except TenantError as exc:
+        return refuse(str(exc))
+    row = {"tenant": record.name, "weight": record.weight, "max_jobs": record.max_jobs,
+           "max_samples": record.max_samples}
+    if args.json:
+        _print_json(row)
+    else:
+        print(f"tenant {record.name}: weight {record.weight:g}, max {record.max_jobs} jobs at once, "
+              f"{record.max_samples} samples per version (the Tinker queues read the weight within 5 s)")
+    return 0
+
+
 def cmd_list(args, config: Config) -> int:
     from marlaas.platform.tenants import list_tenants
 
     records = asyncio.run(_with_bus(config, lambda bus, url: list_tenants(bus)))
     rows = [{"name": r.name, "active": r.active, "max_jobs": r.max_jobs, "max_samples": r.max_samples,
-             "created_at": r.created_at,
+             "weight": r.weight, "created_at": r.created_at,
              "revoked_at": r.revoked_at} for r in records]
     if args.json:
         _print_json({"tenants": rows})
@@ -179,7 +212,8 @@ def cmd_list(args, config: Config) -> int:
     for row in rows:
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["created_at"]))
         print(f"{row['name']:<32} {'active' if row['active'] else 'revoked':<8} "
-              f"max_jobs={row['max_jobs']:<4} max_samples={row['max_samples']:<5} created {created}")
+              f"max_jobs={row['max_jobs']:<4} max_samples={row['max_samples']:<5} weight={row['weight']:<6g} "
+              f"created {created}")
     return 0
 
 
