@@ -47,6 +47,7 @@ from services.gateway.tinker_api import (
 
 CHECKPOINT_BY_ID = "/training_runs/{model_id:str}/checkpoints/{checkpoint_id:path}"
 MAX_LISTED = 1000  # list_user_checkpoints' page
+MAX_COPIES = 64  # copied runs a tenant keeps at once (each a checkpoint's objects again): delete one to copy more
 
 
 def checkpoint_target(model_id: str, checkpoint_id: str, action: str) -> str:
@@ -191,6 +192,10 @@ async def copy_weights(request: Request, tenant: TenantRecord) -> dict:
         raise ApiError(400, str(exc)) from None
     retry_key = request.headers.get("x-idempotency-key")
     seed = msgspec.json.encode([tenant.name, retry_key, source.path]) if retry_key else uuid.uuid4().bytes
+    copies = await copied_runs(gateway, tenant)
+    if len(copies) >= MAX_COPIES and f"copy-{hashlib.sha256(seed).hexdigest()[:24]}" not in copies:
+        raise ApiError(429, f"you keep {len(copies)} copied checkpoints, the most a tenant may (each stores the "
+                            "weights again): delete_checkpoint one of them (tinker://copy-.../...) to copy more")
     origin = await wire.read(gateway.bus, "model", source.model_id, wire.TinkerModel, source.tenant)
     run = wire.TinkerModel(
         id=f"copy-{hashlib.sha256(seed).hexdigest()[:24]}", tenant=tenant.name, session="", rank=source.rank,
@@ -206,6 +211,17 @@ async def copy_weights(request: Request, tenant: TenantRecord) -> dict:
     await wire.write(gateway.bus, "model", run.id, run)
     await wire.index(gateway.bus, tenant.name, run.id, path)
     return {"tinker_path": path}
+
+
+async def copied_runs(gateway, tenant: TenantRecord) -> set[str]:
+    """The ids of the tenant's runs made by copy_weights that still hold a checkpoint."""
+    runs = set()
+    for model_key in await gateway.bus.kv_keys(wire.TINKER_BUCKET, under=f"model.{tenant.name}"):
+        entry = await gateway.bus.kv_get(wire.TINKER_BUCKET, model_key)
+        model = msgspec.json.decode(entry.value, type=wire.TinkerModel) if entry is not None else None
+        if model is not None and model.id.startswith("copy-") and await model_checkpoints(gateway, model.id):
+            runs.add(model.id)
+    return runs
 
 
 def copy_objects(store: ObjectStore, source: wire.TinkerCheckpoint, prefix: str):

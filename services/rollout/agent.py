@@ -251,10 +251,11 @@ class ToolBox:
 async def run_episode(engine: PolicyEngine, fmt: ConversationFormat, prompt_ids: list[int], *,
                       tools: ToolBox, limits: EpisodeLimits, temperature: float, lora,
                       seed: Callable[[int], int], ignore_eos: bool = False,
-                      priority: Callable[[], int] | None = None) -> Episode:
+                      priority: Callable[[], int] | None = None, tenant: str = "") -> Episode:
     """Sample one episode; ``seed(turn)`` gives each turn's sampling seed; ``ignore_eos``
     makes every turn run to its budget (fixed-length completions, for benchmarks); ``priority()``,
-    when given, each turn's place in the engine's queue (frontier-group dispatch)."""
+    when given, each turn's place in the engine's queue (frontier-group dispatch); ``tenant``, whose
+    share of the engine each turn counts against (``rollout.fair_share``)."""
     episode = Episode(prompt_ids)
     while True:
         budget = min(limits.max_new_tokens, limits.max_total_tokens - len(episode) - 1)
@@ -264,7 +265,8 @@ async def run_episode(engine: PolicyEngine, fmt: ConversationFormat, prompt_ids:
         turn = await engine.generate(episode.ids, max_tokens=budget, temperature=temperature, lora=lora,
                                      seed=seed(episode.turns),  # a single-turn task's text is never cut at a tag
                                      stop=[CALL_CLOSE] if limits.max_tool_calls else None,
-                                     ignore_eos=ignore_eos, **({"priority": priority()} if priority else {}))
+                                     ignore_eos=ignore_eos, tenant=tenant,
+                                     **({"priority": priority()} if priority else {}))
         if episode.turns:
             episode.cached_tokens.append(turn.cached_tokens)
         episode.add_turn(turn.token_ids, turn.logprobs)

@@ -30,6 +30,7 @@ import numpy as np
 
 from marlaas.platform.config import Config
 from marlaas.vllm_plugin import KERNELS_ENV
+from services.rollout.fair_share import FairShare
 from services.rollout.utilization import Utilization
 
 
@@ -110,6 +111,9 @@ class PolicyEngine:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", config.rollout.cpu_threads_bind)
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         os.environ[KERNELS_ENV] = config.rollout.cpu_lora_kernels  # read by marlaas.vllm_plugin in the engine core
+        # tenants' weighted shares of the waiting queue (not under frontier dispatch, which orders it itself)
+        self.fair = FairShare() if config.rollout.fair_share and config.rollout.dispatch == "fifo" else None
+        self.weights: dict[str, float] = {}  # tenant -> weight (the rollout service keeps it current)
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -131,7 +135,7 @@ class PolicyEngine:
             # seeded request's chunked prefill discards a sample ("CPU Generator does not use offset")
             enable_chunked_prefill=False, max_num_batched_tokens=max(rc.max_model_len, 4096),
             worker_extension_cls="marlaas.vllm_plugin.probe.EngineProbe",  # lora_kernels() asks it
-            scheduling_policy="priority" if rc.dispatch == "frontier" else "fcfs",
+            scheduling_policy="priority" if rc.dispatch == "frontier" or self.fair else "fcfs",
             **({"block_size": rc.block_size} if rc.block_size else {}),
             **({"max_num_seqs": rc.max_num_seqs} if rc.max_num_seqs else {}),
         )
@@ -211,7 +215,7 @@ class PolicyEngine:
                        seed: int | None, stop: list[str] | None = None, ignore_eos: bool = False,
                        top_p: float = 1.0, top_k: int = 0, stop_token_ids: list[int] | None = None,
                        prompt_logprobs: bool = False, top_logprobs: int = 0, prompt_top_logprobs: int = 0,
-                       priority: int = 0) -> Completion:
+                       priority: int = 0, tenant: str = "") -> Completion:
         """One completion of ``prompt_ids`` (token in, token out) under ``lora``.
 
         Each sample is its own request with its own seed (vLLM's ``n > 1`` is a frontend
@@ -219,7 +223,8 @@ class PolicyEngine:
         A stop string is kept in the output, and ``token_ids`` end with the token completing it.
         ``top_logprobs`` / ``prompt_top_logprobs``: k > 0 adds the k most likely tokens at each
         sampled / prompt position (the callers bound k). ``priority``: the request's place in the
-        queue under ``rollout.dispatch = "frontier"`` (lower first; ignored under "fifo").
+        queue under ``rollout.dispatch = "frontier"`` (lower first); under "fifo" with
+        ``rollout.fair_share``, ``tenant``'s weighted share places it instead (:meth:`_run`).
         """
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -233,7 +238,7 @@ class PolicyEngine:
             output_kind=RequestOutputKind.FINAL_ONLY,
             flat_logprobs=True,  # flat lists, not a dict of Logprob objects per token
         )
-        final = await self._run(prompt_ids, params, lora, priority)
+        final = await self._run(prompt_ids, params, lora, priority, tenant)
         out = final.outputs[0]
         ids = list(out.token_ids)
         flat = out.logprobs  # each position: the sampled token's, then the top k (vLLM's order)
@@ -252,7 +257,7 @@ class PolicyEngine:
                           prompt_top_logprobs=top_of(prompt, range(1, len(prompt_ids)), prompt_top_logprobs)
                           if prompt_top_logprobs else None)
 
-    async def next_token_logprobs(self, prompt_ids: list[int], *, lora) -> np.ndarray:
+    async def next_token_logprobs(self, prompt_ids: list[int], *, lora, tenant: str = "") -> np.ndarray:
         """``logprobs_P_V``: the model's whole next-token distribution (log-softmax of the logits,
         no temperature) at each prompt position but the last; row i predicts ``prompt_ids[i + 1]``.
 
@@ -264,7 +269,7 @@ class PolicyEngine:
 
         params = SamplingParams(n=1, max_tokens=1, temperature=0.0, prompt_logprobs=-1, detokenize=False,
                                 output_kind=RequestOutputKind.FINAL_ONLY, flat_logprobs=True)
-        flat = (await self._run(prompt_ids, params, lora, 0)).prompt_logprobs
+        flat = (await self._run(prompt_ids, params, lora, 0, tenant)).prompt_logprobs
         first = flat.start_indices[1]  # position 0 has no row
         width = flat.end_indices[1] - first  # the prompt token's own entry, then all V by rank
         rows = len(prompt_ids) - 1
@@ -276,16 +281,24 @@ class PolicyEngine:
         np.put_along_axis(logprobs_P_V, ids_P_V, ranked_P_V, axis=1)  # from rank order to token id order
         return logprobs_P_V
 
-    async def _run(self, prompt_ids: list[int], params, lora, priority: int):
-        """vLLM's final output of one request (``params.n == 1``)."""
+    async def _run(self, prompt_ids: list[int], params, lora, priority: int, tenant: str = ""):
+        """vLLM's final output of one request (``params.n == 1``); with fair share on, placed in
+        the queue by ``tenant``'s share (its cost: the prompt and the token budget)."""
         from vllm.inputs import TokensPrompt
 
-        final = None
-        with self.utilization.engine_request():
-            async for output in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
-                                                     request_id=uuid.uuid4().hex, lora_request=lora,
-                                                     priority=priority):
-                final = output
+        final, share = None, None
+        if self.fair is not None and tenant:
+            share, priority = self.fair.admit(tenant, len(prompt_ids) + (params.max_tokens or 0),
+                                              self.weights.get(tenant, 1.0))
+        try:
+            with self.utilization.engine_request():
+                async for output in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
+                                                         request_id=uuid.uuid4().hex, lora_request=lora,
+                                                         priority=priority):
+                    final = output
+        finally:
+            if share is not None:
+                self.fair.done(share)
         if final is None or len(final.outputs) != 1:
             raise RuntimeError(f"engine returned no completion for a {len(prompt_ids)}-token prompt")
         return final

@@ -48,6 +48,7 @@ from marlaas.platform.files import DataFiles, is_file_id
 from marlaas.platform.runtime import Runtime
 from marlaas.platform.store import ObjectStore
 from marlaas.platform.telemetry import UTILIZATION_JOB, record_span, span
+from marlaas.platform.tenants import list_tenants
 from marlaas.platform.usage import report_usage
 from marlaas.tasks import Task, TaskError, get_task
 from marlaas.tools.registry import reward_subject
@@ -545,7 +546,7 @@ class Rollout:
                 temperature=grpo.temperature if temperature is None else temperature,
                 lora=lora, seed=lambda turn: sample_seed(spec, step, prompt, sample, turn),
                 ignore_eos=grpo.ignore_eos and temperature is None,  # evaluations answer freely
-                priority=frontier.of(prompt) if frontier else None)
+                priority=frontier.of(prompt) if frontier else None, tenant=spec.tenant)
         finally:
             if frontier:
                 frontier.done(prompt)
@@ -693,6 +694,15 @@ async def report_utilization(bus: Bus, engine: PolicyEngine, stop: asyncio.Event
                 end=busy_end)))
 
 
+async def keep_weights(bus: Bus, engine: PolicyEngine, stop: asyncio.Event, every_s: float = 5.0) -> None:
+    """Keep the engine's copy of the tenants' weights (its fair share) current until ``stop``."""
+    while not stop.is_set():
+        with contextlib.suppress(Exception):  # the bucket unreadable a moment: the last weights hold
+            engine.weights = {t.name: t.weight for t in await list_tenants(bus)}
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), every_s)
+
+
 async def run(rt: Runtime) -> None:
     """Start the engine (tens of seconds on CPU), then serve announcements until stopped."""
     engine = PolicyEngine(rt.config)
@@ -707,6 +717,7 @@ async def run(rt: Runtime) -> None:
     await rt.bus.nc.subscribe(subjects.job_state(), cb=rollout.on_job_state)
     watchdog = asyncio.create_task(engine.watch(rt.stop))
     reporter = asyncio.create_task(report_utilization(rt.bus, engine, rt.stop))
+    weigher = asyncio.create_task(keep_weights(rt.bus, engine, rt.stop))
     try:
         await asyncio.gather(
             rt.bus.consume("POLICY", "rollout", subjects.policy_committed(), rollout.handle,
@@ -718,6 +729,7 @@ async def run(rt: Runtime) -> None:
     finally:
         watchdog.cancel()
         reporter.cancel()
+        weigher.cancel()
         dead = engine.dead
         engine.shutdown()
         shutil.rmtree(rollout.cache_dir, ignore_errors=True)

@@ -269,10 +269,12 @@ class TinkerSampler:
                                          lora=lora, seed=s, stop=stop_strings or None, stop_token_ids=stop_ids or None,
                                          ignore_eos=stop is not None, top_p=float(params.get("top_p", 1.0)),
                                          top_k=int(params.get("top_k", -1)), prompt_logprobs=with_prompt and j == 0,
-                                         top_logprobs=top_sampled, prompt_top_logprobs=top_prompt if j == 0 else 0)
+                                         top_logprobs=top_sampled, prompt_top_logprobs=top_prompt if j == 0 else 0,
+                                         tenant=request.tenant)
                     for j, s in enumerate(seeds)]
             if targets is not None:  # the next-token rows the targets are read from, beside the samples
-                work.append(self.engine.next_token_logprobs(prompt[:targets.positions + 1], lora=lora))
+                work.append(self.engine.next_token_logprobs(prompt[:targets.positions + 1], lora=lora,
+                                                            tenant=request.tenant))
             done = await asyncio.gather(*work)
         finally:
             if request.sampler.adapter is not None:

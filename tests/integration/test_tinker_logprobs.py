@@ -5,6 +5,8 @@ Each kind is checked against another the engine serves: a sampled token's top-k 
 own logprob, a prompt position's top-k and target entries against ``prompt_logprobs``.
 """
 
+# ruff: noqa: F811 (the fixtures imported from tests/tinker_stack.py are the tests' arguments)
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,45 +18,13 @@ from tinker import types  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from marlaas.basemodel import builtin_model_dir  # noqa: E402
-from marlaas.platform.config import load_config  # noqa: E402
-from marlaas.stack.launcher import SERVICES, Stack  # noqa: E402
 from services.rollout.tinker_sampling import MAX_TARGET_IDS, MAX_TOP_LOGPROBS  # noqa: E402
-from tests.tenant_admin import tenant_cli_ok  # noqa: E402
+from tests.tinker_stack import keys, monkeypatch_module, service, stack, url  # noqa: E402, F401
 
 pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
 BASE = "builtin:chat"
 TOL = 1e-3
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    config = load_config(overrides={"home": str(tmp_path_factory.mktemp("tinker-home")), "gateway.port": 0}, env={})
-    with Stack(config, services=SERVICES, replicas={"trainer": 1}) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def url(stack) -> str:
-    return (stack.run_dir / "gateway.url").read_text().strip() + "/tinker"
-
-
-@pytest.fixture(scope="module")
-def keys(stack) -> dict[str, str]:
-    """Alice's Tinker key, as `marlaas tenant add NAME --json` prints it."""
-    return {"alice": tenant_cli_ok(stack.home, "add", "alice")["tinker_api_key"]}
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
-
-
-@pytest.fixture(scope="module")
-def service(url, keys, monkeypatch_module):
-    monkeypatch_module.setenv("TINKER_TELEMETRY", "0")
-    with tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as client:
-        yield client
+TENANTS = ("alice",)
 
 
 @pytest.fixture(scope="module")

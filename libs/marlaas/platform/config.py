@@ -48,6 +48,10 @@ class RolloutConfig(Section):
     # the order the engine serves waiting requests in: "fifo" (first come, first served) or
     # "frontier" (the batches, and groups, closest to complete first: services/rollout/frontier.py)
     dispatch: Literal["fifo", "frontier"] = "fifo"
+    # under "fifo": the engine serves waiting requests by tenants' weighted shares (start-time fair
+    # queueing, services/rollout/fair_share.py; `marlaas tenant set NAME --weight W`), each tenant's
+    # own in arrival order; false = one first-come-first-served queue for every tenant
+    fair_share: bool = True
     dtype: str = "float32"
     concurrency: int = 16  # jobs sampled at once by one replica
     # Tinker asample requests in one replica's engine at once (each up to 64 sequences), and of one
