@@ -48,7 +48,7 @@ from marlaas.platform.files import DataFiles, is_file_id
 from marlaas.platform.runtime import Runtime
 from marlaas.platform.store import ObjectStore
 from marlaas.platform.telemetry import UTILIZATION_JOB, record_span, span
-from marlaas.platform.tenants import list_tenants
+from marlaas.platform.tenants import tenant_weights
 from marlaas.platform.usage import report_usage
 from marlaas.tasks import Task, TaskError, get_task
 from marlaas.tools.registry import reward_subject
@@ -698,7 +698,7 @@ async def keep_weights(bus: Bus, engine: PolicyEngine, stop: asyncio.Event, ever
     """Keep the engine's copy of the tenants' weights (its fair share) current until ``stop``."""
     while not stop.is_set():
         with contextlib.suppress(Exception):  # the bucket unreadable a moment: the last weights hold
-            engine.weights = {t.name: t.weight for t in await list_tenants(bus)}
+            engine.weights = await tenant_weights(bus)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), every_s)
 

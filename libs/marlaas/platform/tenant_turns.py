@@ -30,7 +30,7 @@ import structlog
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from marlaas.platform.bus import Bus, Delivery, GiveUp, Handler, settle
-from marlaas.platform.tenants import TENANT_RE, list_tenants
+from marlaas.platform.tenants import TENANT_RE, tenant_weights
 
 log = structlog.get_logger("marlaas.platform.tenant_turns")
 IDLE_S = 0.2  # how often an idle queue looks for waiting requests again
@@ -170,7 +170,7 @@ class TenantQueues:
             return
         self.weights_at = time.monotonic()
         with contextlib.suppress(Exception):  # the bucket unreadable a moment: the last weights hold
-            self.weights = {t.name: t.weight for t in await list_tenants(self.bus)}
+            self.weights = await tenant_weights(self.bus)
 
     async def _serve(self, tenant: str, delivery: Delivery, handler: Handler, slots: asyncio.Semaphore) -> None:
         started = time.monotonic()

@@ -154,6 +154,11 @@ async def revoke_tenant(bus: Bus, name: str) -> TenantRecord:
 MAX_WEIGHT = 1000.0
 
 
+async def tenant_weights(bus: Bus) -> dict[str, float]:
+    """Every tenant's weight (``marlaas tenant set NAME --weight W``), for the shares that read it."""
+    return {t.name: t.weight for t in await list_tenants(bus)}
+
+
 def check_weight(weight: float) -> float:
     """``weight`` if a tenant may have it: a share, above 0 and at most :data:`MAX_WEIGHT`."""
     if not (isinstance(weight, (int, float)) and 0 < weight <= MAX_WEIGHT):
