@@ -176,6 +176,43 @@ async def list_user_checkpoints(request: Request, tenant: TenantRecord, limit: i
             "cursor": {"offset": offset, "limit": limit, "total_count": len(found)}}
 
 
+async def training_run(gateway, model: wire.TinkerModel) -> dict:
+    """A model as the SDK's ``types.TrainingRun``: its base, rank, last request, last checkpoints."""
+    live = await wire.read(gateway.bus, "live", model.id, wire.TinkerLive)
+    checkpoints = await model_checkpoints(gateway, model.id)
+    last = {kind: max((c for c in checkpoints if c.kind == kind), key=lambda c: c.created_at, default=None)
+            for kind in ("state", "sampler")}
+    at = max(model.created_at, live.done_at if live else 0.0)
+    return {"training_run_id": model.id, "base_model": model.base_model, "model_owner": model.tenant,
+            "is_lora": True, "lora_rank": model.rank,
+            "last_request_time": datetime.datetime.fromtimestamp(at, datetime.UTC).isoformat(),
+            "last_checkpoint": checkpoint_entry(last["state"]) if last["state"] else None,
+            "last_sampler_checkpoint": checkpoint_entry(last["sampler"]) if last["sampler"] else None}
+
+
+@get("/training_runs/{model_id:str}")
+async def get_training_run(request: Request, tenant: TenantRecord, model_id: str) -> dict:
+    """One of the tenant's training runs (a model, or a copy_weights run)."""
+    gateway = gateway_of(request)
+    return await training_run(gateway, await owned(gateway, tenant, "model", model_id, wire.TinkerModel))
+
+
+@get("/training_runs")
+async def list_training_runs(request: Request, tenant: TenantRecord, limit: int = 100, offset: int = 0) -> dict:
+    """The tenant's training runs, newest first, a page at a time (``types.TrainingRunsResponse``)."""
+    if not 1 <= limit <= MAX_LISTED or offset < 0:
+        raise ApiError(400, f"limit must be 1 to {MAX_LISTED} and offset 0 or more, not {limit} and {offset}")
+    gateway = gateway_of(request)
+    models = []
+    for model_key in await gateway.bus.kv_keys(wire.TINKER_BUCKET, under=f"model.{tenant.name}"):
+        entry = await gateway.bus.kv_get(wire.TINKER_BUCKET, model_key)
+        if entry is not None:
+            models.append(msgspec.json.decode(entry.value, type=wire.TinkerModel))
+    models.sort(key=lambda model: model.created_at, reverse=True)
+    return {"training_runs": [await training_run(gateway, m) for m in models[offset:offset + limit]],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(models)}}
+
+
 @post("/copy_weights", status_code=200)
 async def copy_weights(request: Request, tenant: TenantRecord) -> dict:
     """Copy a checkpoint the tenant may read (its own, or a published one) into a new training run
@@ -242,6 +279,6 @@ SIGNED_ROUTES = [signed_weights_file]  # outside the API-key router: the URL's s
 TINKER_CHECKPOINT_ROUTER = Router(
     path="/tinker/api/v1",
     route_handlers=[delete_or_unpublish, publish, set_ttl, external_weights_urls, weights_info, list_user_checkpoints,
-                    copy_weights],
+                    copy_weights, get_training_run, list_training_runs],
     dependencies={"tenant": Provide(tinker_tenant)}, include_in_schema=False,
 )

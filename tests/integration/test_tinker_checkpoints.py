@@ -237,3 +237,19 @@ def test_a_tenant_keeps_a_bounded_number_of_copies(url, keys, trained):
         assert refused.status_code == 429 and "delete_checkpoint one" in refused.json()["error"], refused.text
         rest.delete_checkpoint_from_tinker_path(copies[0]).result()
         assert api.post("/copy_weights", json={"source_path": trained["sampler"]}).status_code == 200
+
+
+def test_training_runs_are_listed_and_read_by_their_tenant_only(rest, trained):
+    model_id = trained["client"].model_id
+    run = rest["alice"].get_training_run(model_id).result()
+    assert (run.training_run_id, run.model_owner, run.lora_rank, run.is_lora) == (model_id, "alice", 4, True)
+    saved = rest["alice"].list_checkpoints(model_id).result().checkpoints
+    for last, kind in ((run.last_checkpoint, "training"), (run.last_sampler_checkpoint, "sampler")):
+        newest = max((c for c in saved if c.checkpoint_type == kind), key=lambda c: c.time)
+        assert last.tinker_path == newest.tinker_path, (kind, saved)
+    listed = rest["alice"].list_training_runs(limit=1000).result()
+    assert model_id in {r.training_run_id for r in listed.training_runs}
+    assert listed.cursor.total_count == len(listed.training_runs)
+    with pytest.raises(tinker.NotFoundError):
+        rest["bob"].get_training_run(model_id).result()
+    assert model_id not in {r.training_run_id for r in rest["bob"].list_training_runs().result().training_runs}
