@@ -265,7 +265,7 @@ async def run_episode(engine: PolicyEngine, fmt: ConversationFormat, prompt_ids:
         turn = await engine.generate(episode.ids, max_tokens=budget, temperature=temperature, lora=lora,
                                      seed=seed(episode.turns),  # a single-turn task's text is never cut at a tag
                                      stop=[CALL_CLOSE] if limits.max_tool_calls else None,
-                                     ignore_eos=ignore_eos, tenant=tenant,
+                                     ignore_eos=ignore_eos, **({"tenant": tenant} if tenant else {}),
                                      **({"priority": priority()} if priority else {}))
         if episode.turns:
             episode.cached_tokens.append(turn.cached_tokens)
