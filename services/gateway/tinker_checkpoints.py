@@ -160,17 +160,20 @@ async def weights_info(request: Request, tenant: TenantRecord) -> dict:
             "train_unembed": model.train_unembed if model else True}
 
 
+def check_page(limit: int, offset: int) -> None:
+    """A listing's page: a 400 past ``MAX_LISTED`` (the work per request is bounded by it)."""
+    if not 1 <= limit <= MAX_LISTED or offset < 0:
+        raise ApiError(400, f"limit must be 1 to {MAX_LISTED} and offset 0 or more, not {limit} and {offset}")
+
+
 @get("/checkpoints")
 async def list_user_checkpoints(request: Request, tenant: TenantRecord, limit: int = 100, offset: int = 0) -> dict:
     """All the tenant's checkpoints, newest first, a page at a time (``types.CheckpointsListResponse``)."""
-    if not 1 <= limit <= MAX_LISTED or offset < 0:
-        raise ApiError(400, f"limit must be 1 to {MAX_LISTED} and offset 0 or more, not {limit} and {offset}")
+    check_page(limit, offset)
     gateway = gateway_of(request)
     found = []
-    for model_key in await gateway.bus.kv_keys(wire.TINKER_BUCKET, under=f"model.{tenant.name}"):
-        entry = await gateway.bus.kv_get(wire.TINKER_BUCKET, model_key)
-        if entry is not None:
-            found += await model_checkpoints(gateway, msgspec.json.decode(entry.value, type=wire.TinkerModel).id)
+    for model in await wire.tenant_models(gateway.bus, tenant.name):
+        found += await model_checkpoints(gateway, model.id)
     found.sort(key=lambda checkpoint: checkpoint.created_at, reverse=True)
     return {"checkpoints": [checkpoint_entry(c) for c in found[offset:offset + limit]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(found)}}
@@ -200,14 +203,9 @@ async def get_training_run(request: Request, tenant: TenantRecord, model_id: str
 @get("/training_runs")
 async def list_training_runs(request: Request, tenant: TenantRecord, limit: int = 100, offset: int = 0) -> dict:
     """The tenant's training runs, newest first, a page at a time (``types.TrainingRunsResponse``)."""
-    if not 1 <= limit <= MAX_LISTED or offset < 0:
-        raise ApiError(400, f"limit must be 1 to {MAX_LISTED} and offset 0 or more, not {limit} and {offset}")
+    check_page(limit, offset)
     gateway = gateway_of(request)
-    models = []
-    for model_key in await gateway.bus.kv_keys(wire.TINKER_BUCKET, under=f"model.{tenant.name}"):
-        entry = await gateway.bus.kv_get(wire.TINKER_BUCKET, model_key)
-        if entry is not None:
-            models.append(msgspec.json.decode(entry.value, type=wire.TinkerModel))
+    models = await wire.tenant_models(gateway.bus, tenant.name)
     models.sort(key=lambda model: model.created_at, reverse=True)
     return {"training_runs": [await training_run(gateway, m) for m in models[offset:offset + limit]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(models)}}
@@ -252,13 +250,8 @@ async def copy_weights(request: Request, tenant: TenantRecord) -> dict:
 
 async def copied_runs(gateway, tenant: TenantRecord) -> set[str]:
     """The ids of the tenant's runs made by copy_weights that still hold a checkpoint."""
-    runs = set()
-    for model_key in await gateway.bus.kv_keys(wire.TINKER_BUCKET, under=f"model.{tenant.name}"):
-        entry = await gateway.bus.kv_get(wire.TINKER_BUCKET, model_key)
-        model = msgspec.json.decode(entry.value, type=wire.TinkerModel) if entry is not None else None
-        if model is not None and model.id.startswith("copy-") and await model_checkpoints(gateway, model.id):
-            runs.add(model.id)
-    return runs
+    return {model.id for model in await wire.tenant_models(gateway.bus, tenant.name)
+            if model.id.startswith("copy-") and await model_checkpoints(gateway, model.id)}
 
 
 def copy_objects(store: ObjectStore, source: wire.TinkerCheckpoint, prefix: str):

@@ -258,17 +258,23 @@ def is_live(session: TinkerSession, now: float) -> bool:
     return not session.finished and now - max(session.heartbeat_at, session.created_at) < SESSION_LIVE_S
 
 
+async def tenant_models(bus: Bus, tenant: str) -> list[TinkerModel]:
+    """Every model of ``tenant`` (read under its name's key prefix: no other tenant's is read)."""
+    found = []
+    for model_key in await bus.kv_keys(TINKER_BUCKET, under=f"model.{tenant}"):
+        entry = await bus.kv_get(TINKER_BUCKET, model_key)
+        if entry is not None:
+            found.append(msgspec.json.decode(entry.value, type=TinkerModel))
+    return found
+
+
 async def active_models(bus: Bus, tenant: str, now: float | None = None) -> int:
     """How many of ``tenant``'s models belong to a live session (not finished, heard from in the
     last ``SESSION_LIVE_S``): they count against the tenant's ``max_jobs`` as jobs do."""
     now = time.time() if now is None else now
     live: dict[str, bool] = {}
     count = 0
-    for model_key in await bus.kv_keys(TINKER_BUCKET, under=f"model.{tenant}"):
-        entry = await bus.kv_get(TINKER_BUCKET, model_key)
-        if entry is None:
-            continue
-        model = msgspec.json.decode(entry.value, type=TinkerModel)
+    for model in await tenant_models(bus, tenant):
         if model.session not in live:
             session = await read(bus, "session", model.session, TinkerSession)
             live[model.session] = session is not None and is_live(session, now)
