@@ -53,6 +53,7 @@ from marlaas.platform.events import (
 from marlaas.platform.files import DataFiles
 from marlaas.platform.runtime import Runtime
 from marlaas.platform.store import ObjectStore
+from marlaas.platform.tenants import broadcast_shares
 from marlaas.tasks import get_task
 from marlaas.tools.registry import read_tool, reward_subject
 from services.manager.adaptive import AdaptiveAdmission
@@ -436,5 +437,6 @@ async def run(rt: Runtime) -> None:
         rt.bus.consume("JOBS", "manager-evals", subjects.job_eval(), manager.on_job_event, stop=rt.stop),
         sweep_tinker_sessions(rt.bus, rt.store, rt.stop),
         keep_ledger(rt.bus, rt.stop),  # metering: the USAGE stream into the usage bucket
+        broadcast_shares(rt.bus, rt.stop),  # tenants' weights, for the sandbox (it cannot read the bucket)
     )
 

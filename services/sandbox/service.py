@@ -20,6 +20,7 @@ import asyncio
 import structlog
 
 from marlaas.platform.runtime import Runtime
+from marlaas.platform.tenants import SharesHeard
 from marlaas.tools import BUILTIN, ServedTools, Tool, serve_tools
 from services.env.tools import checked_python_tool
 from services.env.tools.latency import InjectedLatency
@@ -44,7 +45,9 @@ async def serve_announced(rt: Runtime, python: Tool) -> ServedTools | None:
 
 
 async def run(rt: Runtime) -> None:
-    python = await checked_python_tool(rt.config.env)
+    shares = SharesHeard()  # its runs are shared by the tenants' weights the manager broadcasts
+    await shares.listen(rt.bus)
+    python = await checked_python_tool(rt.config.env, shares.read)
     served = await serve_announced(rt, python) if python is not None else None
     rt.ready()
     log.info("ready", tools=[sub.subject for sub in served.subscriptions] if served else [],

@@ -1,4 +1,9 @@
-"""Trainer shell: take trajectory batches from the TRAJ work queue (FIFO), one update at a time.
+"""Trainer shell: take trajectory batches from the TRAJ work queue, one update at a time.
+
+Batches are taken in tenant turns (``trainer.fair_share``, the default; the tenant with the
+least trainer time for its weight goes first, a paused tenant's batches wait:
+``marlaas.platform.tenant_turns``), each tenant's in the order rollout published them; with
+``trainer.fair_share = false`` one first-come-first-served queue serves every tenant.
 
 For each batch: check it against the job's committed version (strict on-policy:
 a batch of any other version is terminated, never trained), train, write adapter
@@ -44,7 +49,8 @@ from marlaas.platform.events import (
 from marlaas.platform.runtime import Runtime
 from marlaas.platform.store import ObjectStore
 from marlaas.platform.telemetry import record_span, span
-from marlaas.platform.usage import UsageCounters, report_usage
+from marlaas.platform.tenant_turns import TenantQueues
+from marlaas.platform.usage import UsageCounters, report_usage, tenant_of
 from services.trainer.batch_plan import (
     BatchAction,
     GroupAction,
@@ -92,8 +98,12 @@ def maybe_crash(probability: float, point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+DURABLE = "trainer"
+MAX_DELIVER = 20
+
+
 class Trainer:
-    """Applies GRPO updates for whichever job's batch is next in the FIFO."""
+    """Applies GRPO updates for whichever job's batch is taken next."""
 
     def __init__(self, bus: Bus, store: ObjectStore, policy: PolicyTrainer, fault_crash_p: float = 0.0) -> None:
         self.bus, self.store, self.policy = bus, store, policy
@@ -112,6 +122,13 @@ class Trainer:
         if isinstance(event, JobStateChanged) and event.state.finished:
             self.finished.add(event.job)
             self.ended.add(event.job)
+
+    def held(self) -> dict[str, int]:
+        """The messages held unacked per tenant: the groups of the pipelined batches in progress."""
+        counts: dict[str, int] = {}
+        for job, pending in self.pending.items():
+            counts[tenant_of(job)] = counts.get(tenant_of(job), 0) + len(pending.held)
+        return counts
 
     async def reannounce_committed(self) -> None:
         """Crash recovery: announce every committed version (NATS dedups the ones already out)."""
@@ -436,9 +453,25 @@ async def run(rt: Runtime) -> None:
     rt.ready()
     log.info("ready", device=cfg.trainer.device, base_model=str(cfg.base_model_dir))
     await asyncio.gather(
-        rt.bus.consume("TRAJ", "trainer", subjects.trajectory_ready(), trainer.handle,
-                       stop=rt.stop, ack_wait_s=rt.config.trainer.ack_wait_s, concurrency=1,
-                       on_give_up=trainer.give_up, max_ack_pending=MAX_HELD),
+        take_batches(rt, trainer),
         trainer.hold_alive(rt.stop),
         run_tinker(rt, policy),  # Tinker clients' requests, on the same policy (services/trainer/tinker_training.py)
     )
+
+
+async def take_batches(rt: Runtime, trainer: Trainer) -> None:
+    """Run the trainer on the TRAJ queue: in tenant turns by weight (``trainer.fair_share``), or
+    first come first served. Either way the other way's consumers are deleted first: on a
+    work-queue stream the server refuses consumers whose subjects overlap."""
+    cfg = rt.config.trainer
+    queues = TenantQueues(rt.bus, "TRAJ", DURABLE, subjects.TRAJECTORY_READY, nested=True,
+                          ack_wait_s=cfg.ack_wait_s, max_deliver=MAX_DELIVER, on_give_up=trainer.give_up,
+                          max_ack_pending=MAX_HELD, held=trainer.held)
+    if cfg.fair_share:
+        await queues.retire(DURABLE)
+        await queues.run(trainer.handle, rt.stop)
+    else:
+        await queues.retire_turns()
+        await rt.bus.consume("TRAJ", DURABLE, subjects.trajectory_ready(), trainer.handle, stop=rt.stop,
+                             ack_wait_s=cfg.ack_wait_s, concurrency=1, max_deliver=MAX_DELIVER,
+                             on_give_up=trainer.give_up, max_ack_pending=MAX_HELD)

@@ -135,3 +135,64 @@ async def test_tenants_weights_divide_the_queues_time(bus):
         await eventually(lambda: sum(seconds.values()) >= 3.0, timeout_s=30, what="3 s of requests served")
     share = seconds["alice"] / sum(seconds.values())
     assert abs(share - 0.75) <= 0.75 * 0.15, seconds  # within 15 % of its weight's share
+
+
+async def test_the_trainers_batches_by_tenant_turns_a_paused_tenant_waits_and_held_ones_stay_held(bus):
+    """The TRAJ queue's subjects name jobs (``<tenant>.<name>``): a tenant's consumer takes all its
+    jobs' batches; a paused tenant's wait untouched until it is resumed; a message the handler
+    holds (a pipelined batch's group) is not taken again; the per-tenant consumers are retired
+    when the queue goes back to one (``trainer.fair_share = false``)."""
+    from marlaas.platform import subjects
+    from marlaas.platform.tenants import add_tenant, set_tenant
+
+    for name in ("alice", "bob"):
+        await add_tenant(bus, name)
+    await set_tenant(bus, "bob", paused=True)
+    for job, n in (("alice.one-1", 2), ("alice.two-2", 1), ("bob.three-3", 2)):
+        for i in range(n):
+            await bus.publish(subjects.trajectory_ready(job), f"{job}:{i}".encode(), msg_id=f"{job}:{i}")
+    served: list[str] = []
+    holding: list[Delivery] = []
+
+    async def handler(delivery: Delivery) -> None:
+        served.append(delivery.data.decode())
+        if delivery.data.decode() == "alice.two-2:0":  # held, as the trainer holds a group
+            holding.append(delivery)
+            delivery.defer()
+
+    queues = TenantQueues(bus, "TRAJ", "trainer", subjects.TRAJECTORY_READY, nested=True, ack_wait_s=20,
+                          max_deliver=-1, held=lambda: {"alice": len(holding)})
+    async with serving(queues, handler):
+        await eventually(lambda: len(served) == 3, timeout_s=15, what="alice's three batches")
+        await asyncio.sleep(1.0)  # bob's wait while he is paused
+        assert sorted(served) == ["alice.one-1:0", "alice.one-1:1", "alice.two-2:0"]
+        assert (await set_tenant(bus, "bob", paused=False)).paused is False
+        await eventually(lambda: len(served) == 5, timeout_s=15, what="bob's batches once resumed")
+    assert served[3:] == ["bob.three-3:0", "bob.three-3:1"]  # in the order published; the held one not again
+    await holding[0].ack()
+    names = {info.name for info in await bus.js.consumers_info("TRAJ")}
+    assert {"trainer-alice", "trainer-bob"} <= names
+    await queues.retire_turns()
+    assert not {info.name for info in await bus.js.consumers_info("TRAJ")} & {"trainer-alice", "trainer-bob"}
+
+
+async def test_the_weights_broadcast_reaches_a_service_that_cannot_read_the_bucket(bus):
+    """The manager broadcasts every tenant's weight (``broadcast_shares``); the sandbox, whose broker
+    user reaches no JetStream, shares its python runs by what it heard (``SharesHeard``)."""
+    from marlaas.platform.tenants import SharesHeard, add_tenant, broadcast_shares, set_tenant
+
+    for name in ("alice", "bob"):
+        await add_tenant(bus, name)
+    await set_tenant(bus, "alice", weight=3)
+    heard = SharesHeard()
+    await heard.listen(bus)
+    stop = asyncio.Event()
+    task = asyncio.create_task(broadcast_shares(bus, stop, every_s=0.2))
+    try:
+        await eventually(lambda: heard.weights == {"alice": 3.0, "bob": 1.0}, timeout_s=10, what="the weights heard")
+        await set_tenant(bus, "bob", weight=2)
+        await eventually(lambda: heard.weights.get("bob") == 2.0, timeout_s=10, what="a change heard")
+        assert await heard.read() == {"alice": 3.0, "bob": 2.0}
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=5)

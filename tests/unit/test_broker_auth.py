@@ -106,7 +106,8 @@ def password_of(block: str) -> str:
 def test_the_sandbox_user_may_only_serve_the_python_tool_and_announce_it():
     perms = broker_auth.sandbox_permissions()
     assert perms.publish == ("marlaas.registry.builtin.announce",)
-    assert perms.subscribe == ("marlaas.tool.builtin.python tool-builtin", "_INBOX_sandbox.>")
+    # ... and hear the tenants' weights the manager broadcasts (its runs are shared by them)
+    assert perms.subscribe == ("marlaas.tool.builtin.python tool-builtin", "_INBOX_sandbox.>", "marlaas.tenant.shares")
     assert perms.allow_responses
     block = users(accounts(broker_auth.render_auth("pw", []))["PLATFORM"])["sandbox"]
     assert allowed(block, "publish") == list(perms.publish)

@@ -1,14 +1,24 @@
-"""Turns of python sandbox runs (issue 35, F6): the pure decision, then the slots around it with
-stand-in work (an ``asyncio.Event`` a test releases), so what holds a slot when is exact."""
+"""Turns of python sandbox runs (issue 35, F6; by weight, issue 40): the pure decision, then the
+slots around it with stand-in work (an ``asyncio.Event`` a test releases), so what holds a slot when
+is exact."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import random
 
 import pytest
 
 from marlaas.platform.events import ToolCall, encode
-from services.env.tools.sandbox_turns import RunCaps, RunTurns, SandboxBusy, next_turn, tenant_of_call
+from services.env.tools.sandbox_turns import (
+    WEIGHTS_EVERY_S,
+    RunCaps,
+    RunTurns,
+    SandboxBusy,
+    next_turn,
+    tenant_of_call,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -35,6 +45,84 @@ def test_without_a_waiting_call_there_is_no_turn():
     assert next_turn({"a": 0}, {}, {}, CAPS) is None
 
 
+def granted_while_both_wait(weights, caps: RunCaps, grants: int, seed: int = 0):
+    """Slots granted by :func:`next_turn` while two tenants always have calls waiting, one run
+    ending (a random one) before each grant once the replica is full: (grants per tenant, the runs
+    each held after every grant once full)."""
+    rng = random.Random(seed)
+    waiting = {"a": 1000, "b": 1000}
+    running: collections.Counter[str] = collections.Counter()
+    last_turn: dict[str, int] = {}
+    granted: collections.Counter[str] = collections.Counter()
+    held: list[dict[str, int]] = []
+    for turn in range(grants):
+        if sum(running.values()) >= caps.max_runs:
+            running[rng.choice(sorted(running.elements()))] -= 1
+        tenant = next_turn(waiting, running, last_turn, caps, weights)
+        running[tenant] += 1
+        last_turn[tenant] = turn
+        granted[tenant] += 1
+        if sum(running.values()) == caps.max_runs:
+            held.append(dict(+running))
+    return granted, held
+
+
+def test_two_tenants_of_weights_3_and_1_that_keep_calls_waiting_hold_runs_3_to_1():
+    caps = RunCaps(max_runs=8, max_runs_per_tenant=8)
+    granted, held = granted_while_both_wait({"a": 3.0, "b": 1.0}, caps, 4000)
+    assert held and all(h == {"a": 6, "b": 2} for h in held)  # from the moment the replica fills, and ever after
+    assert 2.7 < granted["a"] / granted["b"] < 3.3
+    granted, held = granted_while_both_wait({"b": 3.0}, caps, 4000, seed=1)  # "a" has no record: weighs 1
+    assert held and all(h == {"a": 2, "b": 6} for h in held)
+
+
+def test_the_first_slots_go_by_weight_too():
+    caps = RunCaps(max_runs=4, max_runs_per_tenant=4)
+    running: collections.Counter[str] = collections.Counter()
+    last_turn: dict[str, int] = {}
+    for turn in range(4):
+        tenant = next_turn({"a": 9, "b": 9}, running, last_turn, caps, {"a": 3.0})
+        running[tenant] += 1
+        last_turn[tenant] = turn
+    assert running == {"a": 3, "b": 1}
+    assert next_turn({"a": 9, "b": 9}, running, last_turn, caps, {"a": 3.0}) is None
+
+
+def test_a_heavy_tenant_is_still_held_to_its_own_cap():
+    weights = {"a": 1000.0}
+    assert next_turn({"a": 30, "b": 1}, {"a": 4}, {}, CAPS, weights) == "b"
+    assert next_turn({"a": 30}, {"a": 4}, {}, CAPS, weights) is None
+    assert next_turn({"a": 30, "b": 30}, {"a": 4, "b": 4}, {}, CAPS, weights) is None  # the replica's cap
+    granted, held = granted_while_both_wait(weights, CAPS, 1000)
+    assert held and all(h == {"a": 4, "b": 4} for h in held)
+
+
+def test_a_tenant_alone_takes_every_slot_up_to_its_cap_whatever_its_weight():
+    for weight in (0.01, 1.0, 1000.0):
+        running: collections.Counter[str] = collections.Counter()
+        while (tenant := next_turn({"b": 30}, running, {}, CAPS, {"a": 1000.0, "b": weight})) is not None:
+            running[tenant] += 1
+        assert running == {"b": CAPS.max_runs_per_tenant}
+        alone = RunCaps(max_runs=8, max_runs_per_tenant=8)
+        running.clear()
+        while (tenant := next_turn({"b": 30}, running, {}, alone, {"b": weight})) is not None:
+            running[tenant] += 1
+        assert running == {"b": 8}
+
+
+def test_equal_weights_choose_exactly_as_no_weights():
+    rng = random.Random(0)
+    tenants = ["a", "b", "c", "default"]
+    for _ in range(2000):
+        waiting = {t: rng.randrange(3) for t in tenants}
+        running = {t: rng.randrange(5) for t in tenants if rng.random() < 0.7}
+        last_turn = {t: rng.randrange(20) for t in tenants if rng.random() < 0.7}
+        chosen = next_turn(waiting, running, last_turn, CAPS)
+        assert next_turn(waiting, running, last_turn, CAPS, {}) == chosen
+        assert next_turn(waiting, running, last_turn, CAPS, {t: 1.0 for t in tenants}) == chosen
+        assert next_turn(waiting, running, last_turn, CAPS, {t: 2.5 for t in tenants}) == chosen
+
+
 class Work:
     """Calls that each hold a slot until released, recording the order in which they started."""
 
@@ -43,10 +131,10 @@ class Work:
         self.started: list[str] = []
         self.release = asyncio.Event()
 
-    async def call(self, tenant: str) -> str:
+    async def call(self, tenant: str, release: asyncio.Event | None = None) -> str:
         async with self.turns.slot(tenant):
             self.started.append(tenant)
-            await self.release.wait()
+            await (release or self.release).wait()
         return tenant
 
 
@@ -112,6 +200,54 @@ async def test_a_cancelled_waiter_leaves_no_trace():
     work.release.set()
     await holder
     assert not turns.running and work.started == ["alice"]
+
+
+async def test_the_slots_that_free_go_by_the_weights_read():
+    reads = 0
+
+    async def weights() -> dict[str, float]:
+        nonlocal reads
+        reads += 1
+        return {"alice": 3.0, "bob": 1.0}
+
+    turns = RunTurns(RunCaps(max_runs=4, max_runs_per_tenant=4, queue_timeout_s=10.0), weights)
+    work = Work(turns)
+    blocker = asyncio.Event()
+    held = [asyncio.create_task(work.call("carol", blocker)) for _ in range(4)]
+    await until(lambda: len(work.started) == 4 and reads == 1)
+    calls = [asyncio.create_task(work.call(t)) for t in ["bob", "alice"] * 6]
+    await until(lambda: sum(len(q) for q in turns.queues.values()) == 12)
+    blocker.set()
+    await until(lambda: len(work.started) == 8)
+    assert turns.running == {"alice": 3, "bob": 1} and reads == 1  # read once: within WEIGHTS_EVERY_S
+    work.release.set()
+    await asyncio.gather(*held, *calls)
+    assert not turns.running and not turns.queues
+
+
+async def test_the_weights_are_read_again_after_a_while_and_a_failed_read_keeps_the_last():
+    answers: list[dict[str, float] | Exception] = [{"alice": 3.0}, OSError("bucket unreadable"), {"alice": 2.0}]
+
+    async def weights() -> dict[str, float]:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    turns = RunTurns(RunCaps(max_runs=1, max_runs_per_tenant=1, queue_timeout_s=10.0), weights)
+    work = Work(turns)
+    work.release.set()
+    await work.call("alice")
+    await until(lambda: turns.weights == {"alice": 3.0})
+    await work.call("alice")
+    assert len(answers) == 2  # not read again so soon
+    turns.weights_at -= WEIGHTS_EVERY_S
+    await work.call("alice")
+    await until(lambda: len(answers) == 1 and turns.reading.done())
+    assert turns.weights == {"alice": 3.0}  # the failed read kept the last weights
+    turns.weights_at -= WEIGHTS_EVERY_S
+    await work.call("alice")
+    await until(lambda: turns.weights == {"alice": 2.0})
 
 
 def test_the_tenant_of_a_call_is_its_jobs_first_part():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from marlaas.platform.tenant_turns import lifted, next_turn
+from marlaas.platform.tenant_turns import lifted, next_turn, waiting_by_tenant
 
 
 def serve(waiting: dict[str, int], turns: int, **kw) -> list[str]:
@@ -70,3 +70,25 @@ def test_weights_divide_the_time_of_tenants_that_keep_requests_waiting():
         virtual[last] += cost[last] / weights[last]
         used[last] += cost[last]
     assert abs(used["alice"] / (used["alice"] + used["bob"]) - 0.75) < 0.01, used
+
+
+def test_messages_a_handler_holds_are_not_waiting_ones():
+    # bob's 4 in the stream are the groups the trainer holds for his batch in progress: alice's turn
+    assert next_turn({"bob": 4, "alice": 1}, None, virtual={"bob": 0.0, "alice": 9.0}, held={"bob": 4}) == "alice"
+    assert next_turn({"bob": 4}, None, held={"bob": 4}) is None
+    assert next_turn({"bob": 5}, None, held={"bob": 4}) == "bob"  # his fifth group is waiting
+
+
+def test_a_paused_tenant_has_no_turn_and_the_others_go_on():
+    assert next_turn({"bob": 3, "alice": 1}, None, virtual={"bob": 0.0, "alice": 5.0}, paused={"bob"}) == "alice"
+    assert next_turn({"bob": 3}, None, paused={"bob"}) is None
+    assert serve({"bob": 2, "alice": 2}, 4, paused=frozenset()) == ["alice", "bob", "alice", "bob"]
+
+
+def test_waiting_counts_by_tenant_from_per_job_subjects():
+    prefix = "marlaas.trajectory.ready."
+    counts = {prefix + "alice.job-a": 2, prefix + "alice.job-b": 1, prefix + "bob.x-1": 4,
+              prefix + "Not_A_Tenant.x": 9, "elsewhere.alice.job": 5}
+    assert waiting_by_tenant(counts, prefix, nested=True) == {"alice": 3, "bob": 4}
+    # one subject per tenant (the Tinker queues): the rest of the subject is the tenant
+    assert waiting_by_tenant({"q.alice": 2, "q.bob.extra": 1}, "q.") == {"alice": 2}

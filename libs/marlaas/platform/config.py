@@ -102,6 +102,10 @@ class TrainerConfig(Section):
     # a trajectory batch held by a trainer that died is delivered again after this long (JetStream's
     # AckWait); a live trainer sends a heartbeat every 5 s while it trains, so it never loses one
     ack_wait_s: Annotated[float, msgspec.Meta(ge=15)] = 20.0
+    # true: trajectory batches are taken in tenant turns by weight (the tenant with the least
+    # trainer time for its weight first; marlaas.platform.tenant_turns), and a paused tenant's are
+    # left queued; false: one first-come-first-served queue for every tenant (the FIFO baseline)
+    fair_share: bool = True
 
 
 class ManagerConfig(Section):

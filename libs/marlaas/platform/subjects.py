@@ -59,8 +59,16 @@ def policy_committed(job: str = ">") -> str:
     return f"{PREFIX}.policy.committed.{job}"
 
 
+TRAJECTORY_READY = f"{PREFIX}.trajectory.ready"  # .<tenant>.<name>: the trainer takes tenant turns on them
+
+
+# core NATS, every few seconds from the manager: each tenant's weight, for a service whose broker user cannot
+# read the tenants bucket (the sandbox); the manager's own copy of `marlaas.platform.tenants.tenant_shares`
+TENANT_SHARES = f"{PREFIX}.tenant.shares"
+
+
 def trajectory_ready(job: str = ">") -> str:
-    return f"{PREFIX}.trajectory.ready.{job}"
+    return f"{TRAJECTORY_READY}.{job}"
 
 
 def span(job: str = ">") -> str:

@@ -13,7 +13,15 @@ and one quarter of the queue's time, however large each one's requests are. With
 order is the stream's, as before; acks, naks, redelivery and ``max_deliver`` are the bus's (``Bus.consume``), unchanged.
 
 Which tenants have requests waiting comes from the stream itself (its per-subject counts): a
-work-queue stream holds exactly the requests not yet acked, those in hand included.
+work-queue stream holds exactly the requests not yet acked, those in hand included. A queue whose
+subjects name a job rather than a tenant (``<subject>.<tenant>.<name>``, the trainer's trajectory
+batches) is read the same way (``nested``): a tenant's consumer takes every job of its own. A
+handler may hold messages unacked after it returns (the trainer's groups of a batch in progress,
+:meth:`Delivery.defer`); ``held`` says how many per tenant, so they are not taken for waiting ones.
+A turn that finds nothing (a request put back for a moment) costs its tenant the turn's wait.
+
+A paused tenant (``marlaas tenant pause NAME``) has no turns: its requests stay queued, untouched,
+until ``marlaas tenant resume NAME``; what it had in hand finishes.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import nats.errors
 import nats.js.errors
@@ -30,12 +38,12 @@ import structlog
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from marlaas.platform.bus import Bus, Delivery, GiveUp, Handler, settle
-from marlaas.platform.tenants import TENANT_RE, tenant_weights
+from marlaas.platform.tenants import TENANT_RE, tenant_shares
 
 log = structlog.get_logger("marlaas.platform.tenant_turns")
 IDLE_S = 0.2  # how often an idle queue looks for waiting requests again
 FETCH_S = 0.2  # a turn's fetch waits this long (a tenant's only request may be put back for a moment)
-WEIGHTS_EVERY_S = 5.0  # the tenants' weights are read again this often
+WEIGHTS_EVERY_S = 5.0  # the tenants' weights (and pauses) are read again this often
 CONSUMER_IDLE_S = 3600.0  # a tenant's consumer unused this long is removed by the server (re-added on use)
 
 
@@ -51,7 +59,8 @@ def lifted(virtual: Mapping[str, float], waiting: Mapping[str, int]) -> dict[str
 
 def next_turn(waiting: Mapping[str, int], last_served: str | None,
               in_hand: Mapping[str, int] | None = None, per_tenant: int | None = None,
-              virtual: Mapping[str, float] | None = None) -> str | None:
+              virtual: Mapping[str, float] | None = None, held: Mapping[str, int] | None = None,
+              paused: frozenset[str] | set[str] = frozenset()) -> str | None:
     """The tenant to take a request from next (None: nobody may be served now).
 
     ``waiting`` counts each tenant's requests in the queue (those in hand included), ``in_hand``
@@ -59,10 +68,13 @@ def next_turn(waiting: Mapping[str, int], last_served: str | None,
     than ``per_tenant`` in hand. Candidates take turns in name order, starting after
     ``last_served``: a tenant's backlog, however long, never puts another's request behind more
     than one of its own per turn. With ``virtual`` (each tenant's weighted time, :func:`lifted`), the
-    candidate with the least goes first; the round-robin order breaks ties."""
-    in_hand = in_hand or {}
+    candidate with the least goes first; the round-robin order breaks ties. ``held``: requests a
+    handler keeps unacked after it returned (not waiting, not in hand); ``paused``: tenants
+    given no turn."""
+    in_hand, held = in_hand or {}, held or {}
     candidates = sorted(t for t, n in waiting.items()
-                        if n > in_hand.get(t, 0) and (per_tenant is None or in_hand.get(t, 0) < per_tenant))
+                        if t not in paused and n > in_hand.get(t, 0) + held.get(t, 0)
+                        and (per_tenant is None or in_hand.get(t, 0) < per_tenant))
     if not candidates:
         return None
     if virtual is not None:
@@ -76,13 +88,17 @@ class TenantQueues:
 
     def __init__(self, bus: Bus, stream: str, durable: str, subject: str, *, ack_wait_s: float,
                  max_deliver: int, concurrency: int = 1, per_tenant: int | None = None,
-                 retry_delay_s: float = 1.0, on_give_up: GiveUp | None = None) -> None:
+                 retry_delay_s: float = 1.0, on_give_up: GiveUp | None = None, nested: bool = False,
+                 max_ack_pending: int = 0, held: Callable[[], Mapping[str, int]] | None = None) -> None:
         self.bus, self.stream, self.durable, self.subject = bus, stream, durable, subject
         self.ack_wait_s, self.max_deliver, self.retry_delay_s = ack_wait_s, max_deliver, retry_delay_s
         self.concurrency, self.per_tenant, self.on_give_up = concurrency, per_tenant, on_give_up
+        self.nested, self.held = nested, held
+        self.max_ack_pending = max_ack_pending or max(concurrency, 1) * 4
         self.in_hand: Counter[str] = Counter()
         self.virtual: dict[str, float] = {}  # each waiting tenant's seconds in hand, over its weight
         self.weights: dict[str, float] = {}
+        self.paused: frozenset[str] = frozenset()
         self.weights_at = -WEIGHTS_EVERY_S
         self.last_served: str | None = None
         self.subs: dict[str, object] = {}
@@ -91,9 +107,7 @@ class TenantQueues:
         """Each tenant's requests in the queue, from the stream's per-subject counts."""
         prefix = f"{self.subject}."
         info = await self.bus.js.stream_info(self.stream, subjects_filter=f"{prefix}>")
-        # only tenant names make consumer names: a subject the gateway never writes cannot stall the turns
-        return {subject[len(prefix):]: n for subject, n in (info.state.subjects or {}).items()
-                if TENANT_RE.match(subject[len(prefix):])}
+        return waiting_by_tenant(info.state.subjects or {}, prefix, self.nested)
 
     async def retire(self, durable: str) -> None:
         """Delete the single consumer the queue was read by before turns: on a work-queue stream a
@@ -102,13 +116,24 @@ class TenantQueues:
             await self.bus.js.delete_consumer(self.stream, durable)
             log.info("retired the queue's single consumer", stream=self.stream, durable=durable)
 
+    async def retire_turns(self) -> None:
+        """Delete the per-tenant consumers (``<durable>-<tenant>``): the queue is to be read by one
+        consumer again (a fair share turned off), whose filter overlaps every one of theirs."""
+        with contextlib.suppress(Exception):  # a stream with none is fine; a broker error: the fetch says
+            for info in await self.bus.js.consumers_info(self.stream):
+                if info.name.startswith(f"{self.durable}-"):
+                    with contextlib.suppress(nats.js.errors.NotFoundError):
+                        await self.bus.js.delete_consumer(self.stream, info.name)
+                    log.info("retired a tenant's consumer", stream=self.stream, durable=info.name)
+
     async def _fetch(self, tenant: str) -> list:
         sub = self.subs.get(tenant)
         if sub is None:
             config = ConsumerConfig(
-                durable_name=f"{self.durable}-{tenant}", filter_subject=f"{self.subject}.{tenant}",
+                durable_name=f"{self.durable}-{tenant}",
+                filter_subject=f"{self.subject}.{tenant}" + (".>" if self.nested else ""),
                 ack_policy=AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s, max_deliver=self.max_deliver,
-                max_ack_pending=max(self.concurrency, 1) * 4, inactive_threshold=CONSUMER_IDLE_S)
+                max_ack_pending=self.max_ack_pending, inactive_threshold=CONSUMER_IDLE_S)
             sub = self.subs[tenant] = await self.bus.js.pull_subscribe(
                 config.filter_subject, durable=config.durable_name, stream=self.stream, config=config)
         try:
@@ -134,7 +159,8 @@ class TenantQueues:
                     waiting = await self.waiting()
                     self.virtual = lifted(self.virtual, waiting)
                     await self._refresh_weights()
-                    tenant = next_turn(waiting, self.last_served, self.in_hand, self.per_tenant, self.virtual)
+                    tenant = next_turn(waiting, self.last_served, self.in_hand, self.per_tenant, self.virtual,
+                                       self.held() if self.held else None, self.paused)
                     msgs = await self._fetch(tenant) if tenant is not None else []
                     failures = 0
                 except Exception as exc:  # disconnected, an election, a consumer gone: look again
@@ -148,6 +174,8 @@ class TenantQueues:
                     continue
                 if tenant is not None:
                     self.last_served = tenant  # an empty turn (its requests put back a moment) passes too
+                    if not msgs and tenant in self.virtual:  # ... and costs its tenant the wait
+                        self.virtual[tenant] += FETCH_S / self.weights.get(tenant, 1.0)
                 if not msgs:
                     slots.release()
                     if tenant is None:
@@ -165,12 +193,13 @@ class TenantQueues:
                     await sub.unsubscribe()
 
     async def _refresh_weights(self) -> None:
-        """The tenants' weights, read again every ``WEIGHTS_EVERY_S`` (a change applies within it)."""
+        """The tenants' weights and pauses, read again every ``WEIGHTS_EVERY_S`` (a change applies
+        within it)."""
         if time.monotonic() - self.weights_at < WEIGHTS_EVERY_S:
             return
         self.weights_at = time.monotonic()
         with contextlib.suppress(Exception):  # the bucket unreadable a moment: the last weights hold
-            self.weights = await tenant_weights(self.bus)
+            self.weights, self.paused = await tenant_shares(self.bus)
 
     async def _serve(self, tenant: str, delivery: Delivery, handler: Handler, slots: asyncio.Semaphore) -> None:
         started = time.monotonic()
@@ -182,3 +211,16 @@ class TenantQueues:
             self.in_hand[tenant] -= 1
             if self.in_hand[tenant] <= 0:
                 del self.in_hand[tenant]
+
+
+def waiting_by_tenant(counts: Mapping[str, int], prefix: str, nested: bool = False) -> dict[str, int]:
+    """Each tenant's messages, from a stream's per-subject ``counts`` under ``prefix``: the subject's
+    next token is the tenant (``nested``: one subject per job, ``<tenant>.<name>``, summed)."""
+    waiting: Counter[str] = Counter()
+    for subject, n in counts.items():
+        rest = subject[len(prefix):] if subject.startswith(prefix) else ""
+        tenant = rest.split(".", 1)[0] if nested else rest
+        # only tenant names make consumer names: a subject the gateway never writes cannot stall the turns
+        if TENANT_RE.match(tenant):
+            waiting[tenant] += n
+    return dict(waiting)

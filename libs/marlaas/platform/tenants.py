@@ -13,6 +13,8 @@ this bucket alone (:func:`write_broker_auth`, rules in :mod:`marlaas.stack.broke
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
 import re
@@ -22,7 +24,7 @@ import time
 import msgspec
 import structlog
 
-from marlaas.platform import nats_access
+from marlaas.platform import nats_access, subjects
 from marlaas.platform.bus import TENANTS_BUCKET, TOOLS_BUCKET, Bus, StaleRevision
 from marlaas.platform.events import Codec, Wire, encode
 
@@ -53,13 +55,18 @@ class TenantRecord(Wire):
     token_bcrypt: str = ""  # the broker's copy (auth.conf); "" = no NATS user (an older record)
     max_jobs: int = DEFAULT_MAX_JOBS  # jobs queued or running at once
     max_samples: int = DEFAULT_MAX_SAMPLES  # samples per version of one job
-    weight: float = 1.0  # its share where tenants take turns (the Tinker queues), against the others' weights
+    weight: float = 1.0  # its share where tenants take turns (engine, trainer, tools, Tinker), against the others'
     created_at: float = 0.0
     revoked_at: float = 0.0
+    paused_at: float = 0.0  # `marlaas tenant pause`: its queued work waits (0: not paused)
 
     @property
     def active(self) -> bool:
         return not self.revoked_at
+
+    @property
+    def paused(self) -> bool:
+        return bool(self.paused_at)
 
 
 TENANT = Codec("tenant record", TenantRecord)
@@ -156,7 +163,55 @@ MAX_WEIGHT = 1000.0
 
 async def tenant_weights(bus: Bus) -> dict[str, float]:
     """Every tenant's weight (``marlaas tenant set NAME --weight W``), for the shares that read it."""
-    return {t.name: t.weight for t in await list_tenants(bus)}
+    return (await tenant_shares(bus))[0]
+
+
+async def tenant_shares(bus: Bus) -> tuple[dict[str, float], frozenset[str]]:
+    """Every tenant's weight, and the tenants paused (``marlaas tenant pause NAME``): what the
+    queues that take tenant turns read."""
+    tenants = await list_tenants(bus)
+    return {t.name: t.weight for t in tenants}, frozenset(t.name for t in tenants if t.paused)
+
+
+class TenantShares(msgspec.Struct):
+    """What the manager broadcasts on ``subjects.TENANT_SHARES``: each tenant's weight, the paused ones."""
+
+    weights: dict[str, float]
+    paused: list[str] = []
+
+
+SHARES_EVERY_S = 5.0
+
+
+async def broadcast_shares(bus: Bus, stop: asyncio.Event, every_s: float = SHARES_EVERY_S) -> None:
+    """Publish every tenant's weight every ``every_s`` (core NATS: a listener that missed one gets
+    the next; one that hears none keeps the last it had)."""
+    while not stop.is_set():
+        with contextlib.suppress(Exception):  # the bucket or the broker unavailable a moment: next time
+            weights, paused = await tenant_shares(bus)
+            await bus.nc.publish(subjects.TENANT_SHARES, msgspec.json.encode(TenantShares(weights, sorted(paused))))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every_s)
+
+
+class SharesHeard:
+    """The last :class:`TenantShares` heard on ``subjects.TENANT_SHARES`` (the sandbox's weights)."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, float] = {}
+
+    async def listen(self, bus: Bus) -> None:
+        await bus.nc.subscribe(subjects.TENANT_SHARES, cb=self._heard)
+
+    async def _heard(self, msg) -> None:
+        try:
+            shares = msgspec.json.decode(msg.data, type=TenantShares)
+        except msgspec.DecodeError:
+            return
+        self.weights = {t: w for t, w in shares.weights.items() if isinstance(w, (int, float)) and 0 < w <= MAX_WEIGHT}
+
+    async def read(self) -> dict[str, float]:
+        return dict(self.weights)
 
 
 def check_weight(weight: float) -> float:
@@ -168,8 +223,10 @@ def check_weight(weight: float) -> float:
 
 
 async def set_tenant(bus: Bus, name: str, weight: float | None = None, max_jobs: int | None = None,
-                     max_samples: int | None = None) -> TenantRecord:
-    """Change ``name``'s weight or quotas (compare-and-set: a concurrent change is read again)."""
+                     max_samples: int | None = None, paused: bool | None = None) -> TenantRecord:
+    """Change ``name``'s weight or quotas, or pause or resume it (compare-and-set: a concurrent
+    change is read again). A paused tenant's queued work (trajectory batches, Tinker requests)
+    waits untouched until it is resumed; what is in hand finishes."""
     if weight is not None:
         check_weight(weight)
     for n, what in ((max_jobs, "max_jobs"), (max_samples, "max_samples")):
@@ -182,6 +239,8 @@ async def set_tenant(bus: Bus, name: str, weight: float | None = None, max_jobs:
         record = TENANT.decode(entry.value)
         changes = {k: v for k, v in (("weight", weight), ("max_jobs", max_jobs), ("max_samples", max_samples))
                    if v is not None}
+        if paused is not None and paused != record.paused:
+            changes["paused_at"] = time.time() if paused else 0.0
         record = msgspec.structs.replace(record, **changes)
         try:
             await bus.kv_update(TENANTS_BUCKET, name, encode(record), entry.revision)

@@ -30,8 +30,8 @@ SERVICES_PASSWORD_ENV = "MARLAAS_NATS_PASSWORD"
 
 
 def add_tenant_commands(subparsers) -> argparse.ArgumentParser:
-    """Add ``tenant add | set | list | revoke | sync | init-auth | sandbox-password`` to the ``marlaas`` parser's
-    subparsers."""
+    """Add ``tenant add | set | pause | resume | list | revoke | sync | init-auth | sandbox-password`` to the
+    ``marlaas`` parser's subparsers."""
     tenant = subparsers.add_parser("tenant", help="add, list or revoke tenants (API tokens, broker users)")
     actions = tenant.add_subparsers(dest="tenant_command", required=True)
 
@@ -54,6 +54,11 @@ def add_tenant_commands(subparsers) -> argparse.ArgumentParser:
                    help="its share against the others' (default 1): 2 gets twice a tenant of 1 while both wait")
     p.add_argument("--max-jobs", type=int, default=None, help="jobs queued or running at once")
     p.add_argument("--max-samples", type=int, default=None, help="samples per version of one job")
+    p = action("pause", cmd_pause, "pause a tenant: its jobs keep their state, their queued batches and Tinker "
+               "requests wait (what is in hand finishes) until `marlaas tenant resume`")
+    p.add_argument("name")
+    p = action("resume", cmd_pause, "resume a paused tenant: its jobs go on from the versions they had")
+    p.add_argument("name")
     action("list", cmd_list, "list tenants")
     p = action("revoke", cmd_revoke, "revoke a tenant: its token stops working, its connections drop")
     p.add_argument("name")
@@ -195,8 +200,53 @@ def cmd_set(args, config: Config) -> int:
         _print_json(row)
     else:
         print(f"tenant {record.name}: weight {record.weight:g}, max {record.max_jobs} jobs at once, "
-              f"{record.max_samples} samples per version (the Tinker queues read the weight within 5 s)")
+              f"{record.max_samples} samples per version (the queues read the weight within 5 s)")
     return 0
+
+
+def cmd_pause(args, config: Config) -> int:
+    """``tenant pause NAME`` and ``tenant resume NAME``."""
+    from marlaas.platform.tenants import TenantError, set_tenant
+
+    paused = args.tenant_command == "pause"
+
+    async def go(bus, url):
+        record = await set_tenant(bus, args.name, paused=paused)
+        await _note_pause(bus, record.name, paused)
+        return record
+
+    try:
+        record = asyncio.run(_with_bus(config, go))
+    except TenantError as exc:
+        if args.json:
+            _print_json({"error": str(exc)})
+        else:
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        _print_json({"tenant": record.name, "paused": record.paused})
+    elif record.paused:
+        print(f"tenant {record.name} paused: within 5 s its queued batches and Tinker requests wait; what is "
+              f"in hand finishes (each job may sample one more batch); `marlaas tenant resume {record.name}`")
+    else:
+        print(f"tenant {record.name} resumed: its jobs go on within 5 s")
+    return 0
+
+
+PAUSED_KEY = "tenant paused"
+
+
+async def _note_pause(bus, tenant: str, paused: bool) -> None:
+    """Say in each unfinished job's status that its tenant is paused (or clear it on resume)."""
+    from marlaas.platform.bus import JOBS_BUCKET
+    from marlaas.platform.commits import report_warning
+    from marlaas.platform.events import JOB_RECORD
+
+    note = "the operator paused this tenant: the job keeps its versions and goes on when resumed" if paused else ""
+    for job in await bus.kv_keys(JOBS_BUCKET, under=tenant):
+        entry = await bus.kv_get(JOBS_BUCKET, job)
+        if entry is not None and not JOB_RECORD.decode(entry.value).state.finished:
+            await report_warning(bus, job, "manager", PAUSED_KEY, note)
 
 
 def cmd_list(args, config: Config) -> int:
@@ -204,14 +254,15 @@ def cmd_list(args, config: Config) -> int:
 
     records = asyncio.run(_with_bus(config, lambda bus, url: list_tenants(bus)))
     rows = [{"name": r.name, "active": r.active, "max_jobs": r.max_jobs, "max_samples": r.max_samples,
-             "weight": r.weight, "created_at": r.created_at,
+             "weight": r.weight, "paused": r.paused, "created_at": r.created_at,
              "revoked_at": r.revoked_at} for r in records]
     if args.json:
         _print_json({"tenants": rows})
         return 0
     for row in rows:
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["created_at"]))
-        print(f"{row['name']:<32} {'active' if row['active'] else 'revoked':<8} "
+        state = "revoked" if not row["active"] else "paused" if row["paused"] else "active"
+        print(f"{row['name']:<32} {state:<8} "
               f"max_jobs={row['max_jobs']:<4} max_samples={row['max_samples']:<5} weight={row['weight']:<6g} "
               f"created {created}")
     return 0

@@ -111,10 +111,12 @@ def tenant_permissions(tenant: str) -> Permissions:
 
 def sandbox_permissions() -> Permissions:
     """What the ``sandbox`` user may do in the platform's account: serve the python tool (queue
-    group only), announce it through the registrar, hear the replies on its own inbox."""
+    group only), announce it through the registrar, hear the replies on its own inbox and the
+    tenants' weights the manager broadcasts."""
     return Permissions(
         publish=(subjects.registry_announce("builtin"),),
-        subscribe=(f"{SANDBOX_TOOL_SUBJECT} {SANDBOX_TOOL_QUEUE}", f"{inbox_prefix(SANDBOX_USER)}.>"),
+        subscribe=(f"{SANDBOX_TOOL_SUBJECT} {SANDBOX_TOOL_QUEUE}", f"{inbox_prefix(SANDBOX_USER)}.>",
+                   subjects.TENANT_SHARES),
     )
 
 
