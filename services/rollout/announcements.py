@@ -57,6 +57,17 @@ def plan_announcement(version: int, record: JobRecord, committed_version: int,
     return Plan(Reaction.SAMPLE)
 
 
+def published_through(recorded: int, committed_version: int) -> int:
+    """The last step whose batch is published, from the step rollout ``recorded`` as published and
+    the job's committed version: every step before the committed version was trained, so its batch
+    was out whatever the record says. The record lags a moment after a batch's last group is out
+    (the trainer may take it, train and commit before the sampler writes it), and a second replica
+    reads it meanwhile: an announcement read against the lagging record alone would look like a
+    repeat of the step being sampled (acked, and the job would never sample again) or ask for an
+    old step again."""
+    return max(recorded, committed_version - 1)
+
+
 def next_step(sampled: int, committed_version: int, steps: int, max_staleness: int) -> int | None:
     """The step whose batch to sample next, with the committed version, or None: every step up to
     ``committed_version + max_staleness`` (and short of ``steps``) is sampled already."""

@@ -30,7 +30,7 @@ import numpy as np
 
 from marlaas.platform.config import Config
 from marlaas.vllm_plugin import KERNELS_ENV
-from services.rollout.fair_share import FairShare
+from services.rollout.fair_share import FairShare, RunningShares
 from services.rollout.utilization import Utilization
 
 
@@ -113,6 +113,9 @@ class PolicyEngine:
         os.environ[KERNELS_ENV] = config.rollout.cpu_lora_kernels  # read by marlaas.vllm_plugin in the engine core
         # tenants' weighted shares of the waiting queue (not under frontier dispatch, which orders it itself)
         self.fair = FairShare() if config.rollout.fair_share and config.rollout.dispatch == "fifo" else None
+        # ... and their running requests' shares, once rollout.fair_share_running run
+        self.running = (RunningShares(config.rollout.fair_share_running)
+                        if self.fair is not None and config.rollout.fair_share_running else None)
         self.weights: dict[str, float] = {}  # tenant -> weight (the rollout service keeps it current)
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs
@@ -286,7 +289,10 @@ class PolicyEngine:
         the queue by ``tenant``'s share (its cost: the prompt and the token budget)."""
         from vllm.inputs import TokensPrompt
 
-        final, share = None, None
+        final, share, entered = None, None, False
+        if self.running is not None and tenant:
+            await self.running.enter(tenant, self.weights)  # held back while its share of them runs
+            entered = True
         if self.fair is not None and tenant:
             share, priority = self.fair.admit(tenant, len(prompt_ids) + (params.max_tokens or 0),
                                               self.weights.get(tenant, 1.0))
@@ -299,6 +305,8 @@ class PolicyEngine:
         finally:
             if share is not None:
                 self.fair.done(share)
+            if entered:
+                self.running.leave(tenant, self.weights)
         if final is None or len(final.outputs) != 1:
             raise RuntimeError(f"engine returned no completion for a {len(prompt_ids)}-token prompt")
         return final

@@ -12,11 +12,20 @@ virtual time is the least start tag in the engine, or the last one served when i
 
 Pure bookkeeping; the engine (``services/rollout/engine.py``) asks for a tag when it submits a
 request and says when the request is over.
+
+vLLM runs every request it has room for in one batch, each running sequence getting a token per
+step: the tags order only what *waits*, and with free KV cache nothing does. With
+``rollout.fair_share_running`` = R, :class:`RunningShares` holds requests back before vLLM: once
+R requests run, a tenant at its weighted share of R (among the tenants with requests in) waits for
+one of its own to finish, so while several tenants are busy their running requests, and tokens,
+follow the weights; a tenant alone, or below its share, is never held (work-conserving up to R).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+from collections import Counter, deque
 
 TAG_SCALE = 1000  # vLLM's priorities are integers: tags in thousandths of a token
 
@@ -45,3 +54,60 @@ class FairShare:
         start = self.in_engine.pop(request, None)
         if start is not None:
             self.served = max(self.served, start)
+
+
+def may_run(tenant: str, running: dict[str, int], waiting: dict[str, int], weights: dict[str, float],
+            bound: int) -> bool:
+    """Whether a request of ``tenant`` may go into the engine now: fewer than ``bound`` run, it is
+    the only tenant with requests in, or it runs fewer than its weighted share of ``bound`` among
+    the tenants with requests running or waiting (itself included)."""
+    if sum(running.values()) < bound:
+        return True
+    active = {t for t, n in running.items() if n > 0} | {t for t, n in waiting.items() if n > 0} | {tenant}
+    if active == {tenant}:
+        return True  # alone: all of it
+    share = bound * weights.get(tenant, 1.0) / sum(weights.get(t, 1.0) for t in active)
+    return running.get(tenant, 0) < max(share, 1.0)
+
+
+class RunningShares:
+    """The requests in the engine per tenant, and those held back (:func:`may_run`), woken in the
+    order of the least running for its weight."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self.running: Counter[str] = Counter()
+        self.held: dict[str, deque[asyncio.Future]] = {}
+
+    def waiting(self) -> dict[str, int]:
+        return {t: len(q) for t, q in self.held.items() if q}
+
+    async def enter(self, tenant: str, weights: dict[str, float]) -> None:
+        if not self.held.get(tenant) and may_run(tenant, self.running, self.waiting(), weights, self.bound):
+            self.running[tenant] += 1
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self.held.setdefault(tenant, deque()).append(turn)
+        try:
+            await turn  # ``leave`` counts it running before it wakes
+        except BaseException:
+            if turn.done() and not turn.cancelled():
+                self.leave(tenant, weights)  # woken, then cancelled: give its place on
+            elif turn in self.held.get(tenant, ()):
+                self.held[tenant].remove(turn)
+            raise
+
+    def leave(self, tenant: str, weights: dict[str, float]) -> None:
+        self.running[tenant] -= 1
+        if self.running[tenant] <= 0:
+            del self.running[tenant]
+        while True:  # wake who may run now, the least running for its weight first
+            queued = sorted((t for t, q in self.held.items() if q),
+                            key=lambda t: (self.running.get(t, 0) / weights.get(t, 1.0), t))
+            woken = next((t for t in queued if may_run(t, self.running, self.waiting(), weights, self.bound)), None)
+            if woken is None:
+                return
+            turn = self.held[woken].popleft()
+            if not turn.done():
+                self.running[woken] += 1
+                turn.set_result(None)

@@ -23,7 +23,7 @@ import structlog
 
 from marlaas.platform import limits, subjects
 from marlaas.platform.adapters import attempt_prefix, materialize
-from marlaas.platform.bus import JOBS_BUCKET, SAMPLED_BUCKET, Bus, Delivery, PoisonMessage
+from marlaas.platform.bus import JOBS_BUCKET, SAMPLED_BUCKET, Bus, Delivery, PoisonMessage, StaleRevision
 from marlaas.platform.commits import read_job, report_failure, to_announcement
 from marlaas.platform.events import (
     JOB,
@@ -53,7 +53,7 @@ from marlaas.platform.usage import report_usage
 from marlaas.tasks import Task, TaskError, get_task
 from marlaas.tools.registry import reward_subject
 from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
-from services.rollout.announcements import Reaction, plan_announcement
+from services.rollout.announcements import Reaction, plan_announcement, published_through
 from services.rollout.engine import PolicyEngine
 from services.rollout.episode import Episode, episode_metrics, episodes_usage, settle_truncated, to_score
 from services.rollout.frontier import Frontier
@@ -181,7 +181,7 @@ class Rollout:
         spec = state.record.spec
         if self.engine.dead:  # vLLM's engine core died: exit, so the supervisor restarts this replica
             raise EngineGone("the vLLM engine is dead")
-        sampled = await sampled_version(self.bus, job)
+        sampled = published_through(await sampled_version(self.bus, job), state.committed.version)
         plan = plan_announcement(version, state.record, state.committed.version, sampled,
                                  (job, sampled + 1) in self.sampling)
         if plan.evaluate_final:
@@ -216,7 +216,7 @@ class Rollout:
                     state = await read_job(self.bus, job)
                     if state is None or state.record.state.finished or self.engine.dead:
                         break
-                    sampled = await sampled_version(self.bus, job)
+                    sampled = published_through(await sampled_version(self.bus, job), state.committed.version)
                     last = min(state.committed.version + k, spec.steps - 1)
                     for step in range(sampled + 1, last + 1):
                         if (job, step) not in self.sampling:  # no await between the check and the add
@@ -245,12 +245,13 @@ class Rollout:
         the job finished meanwhile, publish nothing."""
         if not spec.grpo.max_staleness:
             return True
-        while await sampled_version(self.bus, spec.id) < step - 1:
+        while True:
             state = await read_job(self.bus, spec.id)
             if state is None or state.record.state.finished:
                 return False
+            if published_through(await sampled_version(self.bus, spec.id), state.committed.version) >= step - 1:
+                return True
             await asyncio.sleep(0.2)
-        return True
 
     @contextlib.asynccontextmanager
     async def adapter(self, spec: JobSpec, event: PolicyCommitted):
@@ -410,6 +411,9 @@ class Rollout:
                 attrs["tokens"] = sum(len(seg.ids) for e in episodes for seg in e.segments if seg.kind == "sampled")
                 metrics = episode_metrics(episodes) if task.kind == "agentic" else {}
                 attrs.update(metrics)
+            # the version that generated it, read while it is held: once the adapter is released (the
+            # rewards below take a while) a newer version's load may unload it (bounded staleness)
+            served = self.engine.served_version(spec.id, lora)
             await report_usage(self.bus, SERVICE, spec.id, episodes_usage(episodes))
         # decoding the model's output is CPU work on untrusted ids: off the event loop
         texts = await asyncio.to_thread(lambda: [self.transcript(e) for e in episodes])
@@ -428,8 +432,7 @@ class Rollout:
         if not all(math.isfinite(lp) for s in samples for lp in s.logprobs):  # JSON would carry null:
             raise PoisonMessage(f"the engine returned a non-finite logprob at version {version}; "  # unreadable
                                 "the batch is not published")
-        return TrajectoryBatch(samples=samples, policy_version=self.engine.served_version(spec.id, lora),
-                               metrics=metrics)
+        return TrajectoryBatch(samples=samples, policy_version=served, metrics=metrics)
 
     async def supervised_batch(self, spec: JobSpec, step: int) -> TrajectoryBatch:
         """An ``sft`` job's batch of ``step``: its rows of that step (``Sft.rows_for_step``), each
@@ -630,8 +633,21 @@ async def sampled_version(bus: Bus, job: str) -> int:
 
 
 async def record_sampled(bus: Bus, job: str, version: int) -> None:
-    """Remember that ``version``'s batch is published: a repeated announcement samples nothing."""
-    await bus.kv_put(SAMPLED_BUCKET, job, str(version).encode())
+    """Remember that ``version``'s batch is published: a repeated announcement samples nothing.
+    Never backwards (compare-and-set): a step sampled after a later one (its announcement read a
+    lagging record, :func:`published_through`) leaves the later one recorded."""
+    while True:
+        entry = await bus.kv_get(SAMPLED_BUCKET, job)
+        if entry is None:  # the job's first batch (or its record deleted with the job): as before
+            await bus.kv_put(SAMPLED_BUCKET, job, str(version).encode())
+            return
+        if int(entry.value) >= version:
+            return
+        try:
+            await bus.kv_update(SAMPLED_BUCKET, job, str(version).encode(), entry.revision)
+            return
+        except StaleRevision:
+            continue
 
 
 async def publish_batch(bus: Bus, store: ObjectStore, job: str, version: int, batch: TrajectoryBatch) -> None:

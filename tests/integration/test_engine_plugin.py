@@ -132,3 +132,30 @@ async def test_fair_share_serves_waiting_tenants_by_weight_and_fifo_by_arrival(t
                 assert finished[1:13] == ["bob"] * 12, finished
         finally:
             engine.shutdown()
+
+
+async def test_running_requests_follow_the_weights_once_the_bound_is_reached(tmp_path):
+    """rollout.fair_share_running = 4: vLLM would run all 24 requests at once (its batch holds 1024);
+    held back before it, alice (weight 3) and bob (weight 1), twelve requests each, run three of
+    alice's to one of bob's while both have requests held, and every request is served."""
+    engine = PolicyEngine(engine_config(tmp_path, "fused", fair_share_running=4))
+    try:
+        engine.weights = {"alice": 3.0, "bob": 1.0}
+        seen: list[dict[str, int]] = []
+        done: list[str] = []
+
+        async def request(tenant: str, i: int) -> None:
+            await engine.generate(PROMPTS[0], max_tokens=8, temperature=1.0, lora=None, seed=i, ignore_eos=True,
+                                  tenant=tenant)
+            done.append(tenant)
+            seen.append((dict(engine.running.running), engine.running.waiting()))
+
+        await asyncio.gather(*(request(t, i) for i in range(12) for t in ("alice", "bob")))
+        assert sorted(done) == ["alice"] * 12 + ["bob"] * 12 and not engine.running.running
+        both = [running for running, waiting in seen if waiting.get("alice") and waiting.get("bob")]
+        # the first four went in as they came (under the bound), two of bob's among them: past them
+        assert len(both) > 4 and all(running == {"alice": 3, "bob": 1} for running in both[2:]), seen
+        # once one tenant has nothing left waiting, the other takes the free places (work-conserving)
+        assert any(sum(running.values()) == 4 and running.get("bob", 0) > 1 for running, _ in seen), seen
+    finally:
+        engine.shutdown()

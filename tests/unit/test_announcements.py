@@ -4,7 +4,7 @@ import msgspec
 import pytest
 
 from marlaas.platform.events import JobRecord, JobSpec, JobState
-from services.rollout.announcements import Plan, Reaction, next_step, plan_announcement
+from services.rollout.announcements import Plan, Reaction, next_step, plan_announcement, published_through
 
 SPEC = JobSpec(id="acme.j", tenant="acme", name="j", task="addition", steps=5)
 
@@ -67,3 +67,18 @@ def test_an_older_announcement_samples_what_is_due_at_bounded_staleness():
     (step 4 was underway): the redelivered older one must sample step 4, or the job stalls."""
     assert plan_announcement(2, stale_record(1), 3, 3, False) == Plan(Reaction.SAMPLE)
     assert plan_announcement(2, stale_record(1), 3, 4, False) == Plan(Reaction.OLD)
+
+
+def test_a_lagging_record_of_the_step_being_sampled_does_not_hide_the_next_announcement():
+    """Step 2's last group is out and trained, version 3 committed and announced, before the sampler
+    has recorded step 2 (the record says 1, and (job, 2) is still being sampled): the announcement
+    of 3 must sample step 3, not pass for a repeat of step 2 (acked, the job stalled at version 3,
+    as a CI chaos run saw), nor ask for step 2 again (another replica reading the lagging record)."""
+    sampled = published_through(1, 3)
+    assert sampled == 2 and next_step(sampled, 3, 5, 0) == 3
+    sampling_step_3 = False  # (job, sampled + 1) in the sampling set: step 2's sampler is not step 3's
+    assert plan_announcement(3, record(), 3, sampled, sampling_step_3) == Plan(Reaction.SAMPLE)
+    # the plan as it read the record alone: a repeat (the stall)
+    assert plan_announcement(3, record(), 3, 1, True) == Plan(Reaction.REPEAT)
+    assert published_through(4, 3) == 4  # a record ahead (bounded staleness) is kept
+    assert published_through(-1, 0) == -1  # nothing published, version 0 committed

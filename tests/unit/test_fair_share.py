@@ -30,3 +30,43 @@ def test_a_tenant_that_idled_starts_at_the_present_with_no_credit():
     for request in requests[3:]:
         fair.done(request)
     assert fair.now() == 300  # bob's request, still in the engine, holds the present
+
+
+def test_running_requests_are_held_to_the_weighted_share_only_once_the_bound_is_reached():
+    from services.rollout.fair_share import may_run
+
+    weights = {"a": 1.0, "b": 1.0, "c": 2.0}
+    assert may_run("a", {"a": 7}, {}, weights, bound=8)  # under the bound: anyone
+    assert may_run("a", {"a": 8}, {}, weights, bound=8)  # alone past the bound: all of it is its share
+    assert may_run("a", {"a": 20}, {}, weights, bound=8)
+    assert not may_run("a", {"a": 6, "b": 2}, {}, weights, bound=8)  # a holds more than half
+    assert may_run("b", {"a": 6, "b": 2}, {}, weights, bound=8)  # b is under its half
+    assert not may_run("a", {"a": 3, "b": 1}, {"c": 4}, weights, bound=4)  # c waiting: a's share is 1
+    assert may_run("c", {"a": 3, "b": 1}, {"c": 4}, weights, bound=4)  # c's is 2 of 4
+
+
+def test_held_requests_go_in_as_others_leave_and_tenants_converge_to_their_weights():
+    import asyncio
+
+    from services.rollout.fair_share import RunningShares
+
+    async def scenario():
+        gate, weights = RunningShares(4), {"a": 1.0, "b": 3.0}
+        for _ in range(4):  # a alone fills the engine: never held
+            await gate.enter("a", weights)
+        b_in = [asyncio.create_task(gate.enter("b", weights)) for _ in range(6)]
+        a_more = [asyncio.create_task(gate.enter("a", weights)) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert dict(gate.running) == {"a": 4, "b": 3}  # b under its 3 of 4 goes in; a's wait
+        for _ in range(4):  # a's first four finish one by one: b (least running for its weight) first
+            gate.leave("a", weights)
+            await asyncio.sleep(0)
+        assert gate.running["b"] == 3 and gate.running.get("a", 0) == 1
+        assert sum(t.done() for t in b_in) == 3 and sum(t.done() for t in a_more) == 1
+        cancelled = a_more[-1]
+        cancelled.cancel()  # a held request given up leaves nothing behind
+        await asyncio.gather(cancelled, return_exceptions=True)
+        assert gate.waiting() == {"a": 1, "b": 3}
+        return gate
+
+    asyncio.run(scenario())

@@ -18,6 +18,7 @@ broker is SIGKILLed and restarted on its port ``nats_restarts`` times. Afterward
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import shutil
 import tempfile
@@ -28,9 +29,9 @@ from pathlib import Path
 
 from marlaas.platform import subjects
 from marlaas.platform.audit import audit_training
-from marlaas.platform.bus import Bus
+from marlaas.platform.bus import SAMPLED_BUCKET, VERSIONS_BUCKET, Bus
 from marlaas.platform.config import load_config
-from marlaas.platform.events import POLICY
+from marlaas.platform.events import COMMITTED, POLICY
 from marlaas.platform.nats_client import BusClient
 from marlaas.platform.telemetry import read_spans
 from marlaas.stack.launcher import Stack
@@ -77,6 +78,29 @@ async def _evidence(url: str, ids: list[str]):
         spans = [s for s in await read_spans(bus) if s.job in ids]
         announced = [POLICY.decode(data) for data in await bus.read_all("POLICY", subjects.policy_committed())]
         return spans, [a for a in announced if a.job in ids]
+    finally:
+        await bus.close()
+
+
+async def _stall_report(url: str, jobs: list[str], logs: Path, lines: int = 12) -> str:
+    """Where each of ``jobs`` stands on the broker (committed version, step recorded as sampled,
+    batches queued for the trainer) and the last lines rollout and the trainer logged about it."""
+    bus = await Bus.connect(url, timeout_s=5.0)
+    try:
+        report = []
+        for job in jobs:
+            committed = await bus.kv_get(VERSIONS_BUCKET, job)
+            sampled = await bus.kv_get(SAMPLED_BUCKET, job)
+            queued = (await bus.js.stream_info("TRAJ", subjects_filter=subjects.trajectory_ready(job))).state.messages
+            version = COMMITTED.decode(committed.value).version if committed else None
+            report.append(f"stalled {job}: committed v{version}, sampled step "
+                          f"{sampled.value.decode() if sampled else None}, {queued} batch messages queued")
+            for service in ("rollout", "trainer"):
+                log_file = logs / f"{service}.log"
+                said = [line for line in log_file.read_text(errors="replace").splitlines() if job in line] \
+                    if log_file.exists() else []
+                report += [f"  {service}: {line[:300]}" for line in said[-lines:]]
+        return "\n".join(report)
     finally:
         await bus.close()
 
@@ -169,6 +193,9 @@ def run_chaos(jobs: int = 4, steps: int = 12, min_kills: int = 20, nats_restarts
                 if states and all(s in ("completed", "failed", "cancelled") for s, _ in states.values()):
                     break
                 if time.monotonic() - started > timeout_s:
+                    unfinished = [j for j, (s, _) in (states or {}).items() if s not in ("completed", "failed")]
+                    with contextlib.suppress(Exception):  # what a stalled job left behind, for the log
+                        on_event(asyncio.run(_stall_report(stack.nats_url, unfinished or ids, home / "logs")))
                     raise TimeoutError(f"chaos run not finished after {timeout_s:.0f}s: {states}")
                 if restarts_at and progress >= restarts_at[0]:
                     restarts_at.pop(0)

@@ -481,12 +481,16 @@ def cmd_bench(args, config) -> int:
     from rich.console import Console
     from rich.markdown import Markdown
 
+    from marlaas.bench.fairness import bench_fairness, is_fairness_workload
     from marlaas.bench.plots import write_plots
     from marlaas.bench.progress import step_bars
     from marlaas.bench.report import check_targets, markdown_report
     from marlaas.bench.runner import run_benchmark
     from marlaas.bench.workload import BASELINE_LOOP, MODES, load_workload
 
+    if is_fairness_workload(args.workload):  # tenants side by side, not schedules: a runner of its own
+        signal.signal(signal.SIGTERM, _interrupt)
+        return bench_fairness(args, config)
     workload = load_workload(args.workload)
     modes = args.modes.split(",") if args.modes else workload.modes_to_run(args.quick)
     unknown = [m for m in modes if m not in (*MODES, BASELINE_LOOP)]

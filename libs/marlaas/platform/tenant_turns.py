@@ -41,7 +41,7 @@ from marlaas.platform.bus import Bus, Delivery, GiveUp, Handler, settle
 from marlaas.platform.tenants import TENANT_RE, tenant_shares
 
 log = structlog.get_logger("marlaas.platform.tenant_turns")
-IDLE_S = 0.2  # how often an idle queue looks for waiting requests again
+IDLE_S = 0.2  # how often an idle queue looks for waiting requests again (a new one rings at once)
 FETCH_S = 0.2  # a turn's fetch waits this long (a tenant's only request may be put back for a moment)
 WEIGHTS_EVERY_S = 5.0  # the tenants' weights (and pauses) are read again this often
 CONSUMER_IDLE_S = 3600.0  # a tenant's consumer unused this long is removed by the server (re-added on use)
@@ -151,10 +151,19 @@ class TenantQueues:
         slots = asyncio.Semaphore(self.concurrency)
         running: set[asyncio.Task] = set()
         failures = 0
+        doorbell = asyncio.Event()  # a request published: an idle queue looks at once, not after IDLE_S
+
+        async def ring(msg) -> None:
+            doorbell.set()
+
+        bell = None
+        with contextlib.suppress(Exception):  # without it, the queue looks every IDLE_S
+            bell = await self.bus.nc.subscribe(f"{self.subject}.>", cb=ring)
         try:
             while not stop.is_set():
                 await slots.acquire()
                 tenant = None
+                doorbell.clear()  # before looking: a request published after the look rings again
                 try:
                     waiting = await self.waiting()
                     self.virtual = lifted(self.virtual, waiting)
@@ -179,7 +188,8 @@ class TenantQueues:
                 if not msgs:
                     slots.release()
                     if tenant is None:
-                        await asyncio.sleep(IDLE_S)
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(doorbell.wait(), IDLE_S)
                     continue
                 self.in_hand[tenant] += 1
                 task = asyncio.create_task(self._serve(tenant, Delivery(msgs[0]), handler, slots))
@@ -188,7 +198,7 @@ class TenantQueues:
             if running:  # drain: finish in-flight work and settle it before returning
                 await asyncio.gather(*running, return_exceptions=True)
         finally:
-            for sub in self.subs.values():
+            for sub in [*self.subs.values(), *([bell] if bell else [])]:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
 

@@ -32,7 +32,8 @@ SERVICES_PASSWORD_ENV = "MARLAAS_NATS_PASSWORD"
 def add_tenant_commands(subparsers) -> argparse.ArgumentParser:
     """Add ``tenant add | set | pause | resume | list | revoke | sync | init-auth | sandbox-password`` to the
     ``marlaas`` parser's subparsers."""
-    tenant = subparsers.add_parser("tenant", help="add, list or revoke tenants (API tokens, broker users)")
+    tenant = subparsers.add_parser("tenant", help="add, set, pause, list or revoke tenants (API tokens, broker "
+                                   "users, weights)")
     actions = tenant.add_subparsers(dest="tenant_command", required=True)
 
     def action(name: str, fn, help_: str) -> argparse.ArgumentParser:
