@@ -210,7 +210,7 @@ def build_spec(request: api.SubmitRequest, grpo: GrpoSettings, tools: tuple[str,
                    eval_dataset=request.eval_dataset, reward=request.reward, system=request.system,
                    grpo=grpo, lora=request.lora, sft=request.sft, init_from=request.init_from,
                    then=msgspec.json.encode(request.then).decode() if request.then is not None else "",
-                   submitted_at=now)
+                   submitted_at=now, priority=request.priority)
 
 
 def _refuse(problem: str) -> None:

@@ -251,11 +251,12 @@ class ToolBox:
 async def run_episode(engine: PolicyEngine, fmt: ConversationFormat, prompt_ids: list[int], *,
                       tools: ToolBox, limits: EpisodeLimits, temperature: float, lora,
                       seed: Callable[[int], int], ignore_eos: bool = False,
-                      priority: Callable[[], int] | None = None, tenant: str = "") -> Episode:
+                      priority: Callable[[], int] | None = None, tenant: str = "", rank: int = 1) -> Episode:
     """Sample one episode; ``seed(turn)`` gives each turn's sampling seed; ``ignore_eos``
     makes every turn run to its budget (fixed-length completions, for benchmarks); ``priority()``,
     when given, each turn's place in the engine's queue (frontier-group dispatch); ``tenant``, whose
-    share of the engine each turn counts against (``rollout.fair_share``)."""
+    share of the engine each turn counts against (``rollout.fair_share``), and ``rank`` the job's
+    priority within it (``fair_share.RANKS``)."""
     episode = Episode(prompt_ids)
     while True:
         budget = min(limits.max_new_tokens, limits.max_total_tokens - len(episode) - 1)
@@ -266,6 +267,7 @@ async def run_episode(engine: PolicyEngine, fmt: ConversationFormat, prompt_ids:
                                      seed=seed(episode.turns),  # a single-turn task's text is never cut at a tag
                                      stop=[CALL_CLOSE] if limits.max_tool_calls else None,
                                      ignore_eos=ignore_eos, **({"tenant": tenant} if tenant else {}),
+                                     **({"rank": rank} if rank != 1 else {}),
                                      **({"priority": priority()} if priority else {}))
         if episode.turns:
             episode.cached_tokens.append(turn.cached_tokens)

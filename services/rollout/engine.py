@@ -218,7 +218,7 @@ class PolicyEngine:
                        seed: int | None, stop: list[str] | None = None, ignore_eos: bool = False,
                        top_p: float = 1.0, top_k: int = 0, stop_token_ids: list[int] | None = None,
                        prompt_logprobs: bool = False, top_logprobs: int = 0, prompt_top_logprobs: int = 0,
-                       priority: int = 0, tenant: str = "") -> Completion:
+                       priority: int = 0, tenant: str = "", rank: int = 1) -> Completion:
         """One completion of ``prompt_ids`` (token in, token out) under ``lora``.
 
         Each sample is its own request with its own seed (vLLM's ``n > 1`` is a frontend
@@ -227,7 +227,8 @@ class PolicyEngine:
         ``top_logprobs`` / ``prompt_top_logprobs``: k > 0 adds the k most likely tokens at each
         sampled / prompt position (the callers bound k). ``priority``: the request's place in the
         queue under ``rollout.dispatch = "frontier"`` (lower first); under "fifo" with
-        ``rollout.fair_share``, ``tenant``'s weighted share places it instead (:meth:`_run`).
+        ``rollout.fair_share``, ``tenant``'s weighted share places it instead (:meth:`_run`), and
+        ``rank`` (its job's priority, ``fair_share.RANKS``) among the tenant's own requests.
         """
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -241,7 +242,7 @@ class PolicyEngine:
             output_kind=RequestOutputKind.FINAL_ONLY,
             flat_logprobs=True,  # flat lists, not a dict of Logprob objects per token
         )
-        final = await self._run(prompt_ids, params, lora, priority, tenant)
+        final = await self._run(prompt_ids, params, lora, priority, tenant, rank)
         out = final.outputs[0]
         ids = list(out.token_ids)
         flat = out.logprobs  # each position: the sampled token's, then the top k (vLLM's order)
@@ -284,7 +285,7 @@ class PolicyEngine:
         np.put_along_axis(logprobs_P_V, ids_P_V, ranked_P_V, axis=1)  # from rank order to token id order
         return logprobs_P_V
 
-    async def _run(self, prompt_ids: list[int], params, lora, priority: int, tenant: str = ""):
+    async def _run(self, prompt_ids: list[int], params, lora, priority: int, tenant: str = "", rank: int = 1):
         """vLLM's final output of one request (``params.n == 1``); with fair share on, placed in
         the queue by ``tenant``'s share (its cost: the prompt and the token budget)."""
         from vllm.inputs import TokensPrompt
@@ -295,7 +296,7 @@ class PolicyEngine:
             entered = True
         if self.fair is not None and tenant:
             share, priority = self.fair.admit(tenant, len(prompt_ids) + (params.max_tokens or 0),
-                                              self.weights.get(tenant, 1.0))
+                                              self.weights.get(tenant, 1.0), rank)
         try:
             with self.utilization.engine_request():
                 async for output in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,

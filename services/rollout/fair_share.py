@@ -28,6 +28,8 @@ import itertools
 from collections import Counter, deque
 
 TAG_SCALE = 1000  # vLLM's priorities are integers: tags in thousandths of a token
+# a job's ``priority`` within its tenant's share: its rank (lower goes first)
+RANKS = {"high": 0, "normal": 1, "low": 2}
 
 
 class FairShare:
@@ -36,21 +38,34 @@ class FairShare:
     def __init__(self) -> None:
         self.finish: dict[str, float] = {}  # tenant -> the finish tag of its last request
         self.in_engine: dict[int, float] = {}  # request -> its start tag
+        self.ranked: dict[int, tuple[str, int]] = {}  # request -> (its tenant, its job's rank)
         self.served = 0.0  # the system's virtual time when nothing is in the engine
         self._ids = itertools.count(1)
 
     def now(self) -> float:
         return min(self.in_engine.values(), default=self.served)
 
-    def admit(self, tenant: str, cost: float, weight: float) -> tuple[int, int]:
-        """A request of ``tenant`` costing ``cost`` tokens: (its id, its vLLM priority)."""
+    def admit(self, tenant: str, cost: float, weight: float, rank: int = RANKS["normal"]) -> tuple[int, int]:
+        """A request of ``tenant`` costing ``cost`` tokens, of a job of ``rank`` (:data:`RANKS`):
+        (its id, its vLLM priority). Its tenant's clock moves on by its cost whatever its rank; the
+        rank only reorders the tenant's own requests: one of a higher-priority job takes the tag of
+        the tenant's earliest request of a lower one still in the engine (if that is earlier, and not
+        before the tenant's own requests of its rank or higher), and so goes before it: a tenant's
+        priorities never buy it more than its share over time."""
         start = max(self.finish.get(tenant, 0.0), self.now())
         self.finish[tenant] = start + cost / weight
+        mine = [(self.in_engine[r], k) for r, (t, k) in self.ranked.items() if t == tenant]
+        floor = max((tag for tag, k in mine if k <= rank), default=-float("inf"))  # never before its peers
+        lower = [tag for tag, k in mine if k > rank and tag > floor]
+        if lower:  # just before the earliest of them (vLLM serves equal tags in arrival order)
+            start = min(start, max(floor, min(lower) - 1 / TAG_SCALE))
         request = next(self._ids)
         self.in_engine[request] = start
+        self.ranked[request] = (tenant, rank)
         return request, int(start * TAG_SCALE)
 
     def done(self, request: int) -> None:
+        self.ranked.pop(request, None)
         start = self.in_engine.pop(request, None)
         if start is not None:
             self.served = max(self.served, start)

@@ -56,6 +56,7 @@ from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, r
 from services.rollout.announcements import Reaction, plan_announcement, published_through
 from services.rollout.engine import PolicyEngine
 from services.rollout.episode import Episode, episode_metrics, episodes_usage, settle_truncated, to_score
+from services.rollout.fair_share import RANKS
 from services.rollout.frontier import Frontier
 from services.rollout.liveness import Liveness
 from services.rollout.rounds import SyncRounds, round_members
@@ -549,7 +550,8 @@ class Rollout:
                 temperature=grpo.temperature if temperature is None else temperature,
                 lora=lora, seed=lambda turn: sample_seed(spec, step, prompt, sample, turn),
                 ignore_eos=grpo.ignore_eos and temperature is None,  # evaluations answer freely
-                priority=frontier.of(prompt) if frontier else None, tenant=spec.tenant)
+                priority=frontier.of(prompt) if frontier else None, tenant=spec.tenant,
+                rank=RANKS.get(spec.priority, RANKS["normal"]))
         finally:
             if frontier:
                 frontier.done(prompt)

@@ -159,3 +159,28 @@ async def test_running_requests_follow_the_weights_once_the_bound_is_reached(tmp
         assert any(sum(running.values()) == 4 and running.get("bob", 0) > 1 for running, _ in seen), seen
     finally:
         engine.shutdown()
+
+
+async def test_a_high_priority_job_is_served_before_its_tenants_low_ones(tmp_path):
+    """Within alice's share (one sequence a step), a high-priority job's requests queued after a
+    low-priority job's are served first (``priority = "high"`` in a submission)."""
+    from services.rollout.fair_share import RANKS
+
+    engine = PolicyEngine(engine_config(tmp_path, "fused", max_num_seqs=1))
+    try:
+        finished: list[str] = []
+
+        async def request(tenant: str, what: str, i: int, rank: int = RANKS["normal"]) -> None:
+            await engine.generate(PROMPTS[0], max_tokens=8, temperature=1.0, lora=None, seed=i, ignore_eos=True,
+                                  tenant=tenant, rank=rank)
+            finished.append(what)
+
+        first = asyncio.create_task(request("carol", "carol", 0))  # holds the one slot while the rest queue
+        await asyncio.sleep(0.3)
+        low = [asyncio.create_task(request("alice", "low", i, RANKS["low"])) for i in range(4)]
+        await asyncio.sleep(0.1)
+        high = [asyncio.create_task(request("alice", "high", i, RANKS["high"])) for i in range(4)]
+        await asyncio.gather(first, *low, *high)
+        assert finished[1:] == ["high"] * 4 + ["low"] * 4, finished
+    finally:
+        engine.shutdown()

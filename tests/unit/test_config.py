@@ -145,6 +145,8 @@ def documented_defaults() -> dict[str, str]:
 
 def parse_documented(value: str):
     value = value.strip("`").strip('"')
+    if value in ("true", "false"):
+        return str(value == "true")  # as the TOML is written, as Python shows it
     units = {"MiB": 2**20, "GiB": 2**30}
     number, _, unit = value.partition(" ")
     try:

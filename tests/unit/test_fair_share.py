@@ -70,3 +70,21 @@ def test_held_requests_go_in_as_others_leave_and_tenants_converge_to_their_weigh
         return gate
 
     asyncio.run(scenario())
+
+
+def test_a_higher_priority_job_goes_before_its_tenants_lower_ones_and_the_tenant_pays_the_same():
+    from services.rollout.fair_share import RANKS, FairShare
+
+    fair = FairShare()
+    _, low1 = fair.admit("a", 100, 1.0, RANKS["low"])
+    _, low2 = fair.admit("a", 100, 1.0, RANKS["low"])
+    _, normal = fair.admit("a", 100, 1.0, RANKS["normal"])
+    _, high = fair.admit("a", 100, 1.0, RANKS["high"])
+    _, normal2 = fair.admit("a", 100, 1.0, RANKS["normal"])
+    assert high < normal < low1 < low2  # high first, then normal, each before the low ones queued earlier
+    assert normal <= normal2 < low1  # within a rank, arrival order (vLLM serves equal tags as they came)
+    assert fair.finish["a"] == 500.0  # the tenant's clock moved by all five, whatever their ranks
+    _, other = fair.admit("b", 100, 1.0)
+    assert other == 0  # another tenant's first request is not put behind a's jumps
+    plain = FairShare()
+    assert [plain.admit("a", 100, 1.0)[1] for _ in range(3)] == [0, 100_000, 200_000]  # all normal: as before

@@ -118,8 +118,8 @@ def test_the_runs_ratios_and_the_targets():
 def test_the_workload_file_is_checked_where_it_is_read(tmp_path):
     shipped = load_fairness_workload("fairness")
     assert shipped.victim in shipped.tenants and shipped.versions(True) < shipped.versions(False)
-    assert set(shipped.targets) == {"engine_share_vs_weight", "trainer_share_vs_weight", "victim_tpts_vs_alone",
-                                    "throughput_vs_fifo"}
+    assert set(shipped.targets) == {"engine_share_vs_weight", "trainer_share_vs_weight", "engine_share_vs_fair",
+                                    "trainer_share_vs_fair", "victim_tpts_vs_alone", "throughput_vs_fifo"}
     bad = tmp_path / "bad.toml"
     bad.write_text('kind = "fairness"\nvictim = "c"\n[tenants.a]\n[tenants.b]\n[job]\ntask = "addition"\n')
     with pytest.raises(WorkloadError, match="victim"):

@@ -53,3 +53,20 @@ def test_the_documented_job_file_is_a_valid_submission():
     (block,) = re.findall(r"```toml\n(.*?)```", readme, re.S)
     job = parse_submission(tomllib.loads(block))
     assert job.task == "reverse" and job.grpo.scale_by_std and job.lora.rank == 8
+
+
+def test_a_jobs_priority_is_low_normal_or_high_and_reaches_its_spec_and_view():
+    from marlaas.platform import api
+
+    assert api.parse_submission({"task": "addition", "steps": 2}).priority == "normal"
+    request = api.parse_submission({"task": "addition", "steps": 2, "priority": "high"})
+    assert request.priority == "high"
+    from marlaas.platform.events import JobRecord
+    from services.manager.validation import build_spec
+
+    spec = build_spec(request, request.grpo, (), 0.0)
+    assert spec.priority == "high" and api.job_view(JobRecord(spec=spec)).priority == "high"
+    for wrong, where in (({"priority": "urgent"}, "'priority'"), ({"then": {"task": "addition", "steps": 1,
+                                                                          "priority": 3}}, "'then.priority'")):
+        with pytest.raises(api.SubmitError, match=f"{where} is .*choose one of low, normal, high"):
+            api.parse_submission({"task": "addition", "steps": 2, **wrong})

@@ -15,7 +15,7 @@ validated by the manager against the running stack.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -36,6 +36,9 @@ SET_FOR_FOLLOW_UPS = ("tenant", "init_from", "idempotency_key")
 # sampling settings vLLM has but the trainer could not reproduce when it scores a batch
 UNREPRODUCIBLE_SAMPLING = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                            "frequency_penalty")
+
+
+PRIORITIES = ("low", "normal", "high")
 
 
 class SubmitError(ValueError):
@@ -64,6 +67,8 @@ class SubmitRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     init_from: str = ""  # version 0 from another of your jobs: "JOB@VERSION" or "JOB@latest"
     # a job to submit when this one completes, from its last version (``init_from`` set for it)
     then: dict[str, Any] | None = None
+    # within your tenant's share of the engine: a high job's requests go before your normal and low ones
+    priority: Literal["low", "normal", "high"] = "normal"
     # the same key (per tenant) answers the same job: a client retrying a submission whose answer it
     # never got does not submit twice (the SDK sends one per submit; HTTP: the Idempotency-Key header)
     idempotency_key: str = ""
@@ -84,6 +89,9 @@ def _check_keys(tree: Any, type_: type, where: str) -> None:
             _check_keys(value, {"grpo": GrpoSettings, "lora": LoraSettings, "sft": SftSettings}[key], f"{where}{key}.")
         if key == "then":
             _check_keys(value, SubmitRequest, f"{where}then.")
+        if key == "priority" and value not in PRIORITIES:
+            raise SubmitError(f"'{where}priority' is {value!r}: choose one of {', '.join(PRIORITIES)} (a high job's "
+                              "requests go before your normal and low ones in the engine, within your share)")
 
 
 def parse_submission(tree: dict) -> SubmitRequest:
@@ -177,6 +185,7 @@ class JobView(msgspec.Struct, kw_only=True):
     evals: list[EvalPoint] = []  # held-out greedy scores: [{"version", "score"}]
     warnings: dict[str, str] = {}  # e.g. {"tool acme.weather": "has not answered since ..."}
     followed_by: str = ""  # the job its ``then`` started when it completed
+    priority: str = "normal"  # within its tenant's share of the engine: "low", "normal" or "high"
 
 
 def job_view(record: JobRecord) -> JobView:
@@ -185,7 +194,8 @@ def job_view(record: JobRecord) -> JobView:
                    state=record.state.value, reason=record.reason, version=record.version,
                    steps=record.steps_done, target_steps=spec.steps, rewards=record.rewards,
                    ttfs_s=record.ttfs_s, tpts_s=record.tpts_s, tools=list(spec.tools), metrics=record.metrics,
-                   evals=record.evals, warnings=record.warnings, followed_by=record.followed_by)
+                   evals=record.evals, warnings=record.warnings, followed_by=record.followed_by,
+                   priority=spec.priority)
 
 
 class StatusReply(msgspec.Struct, kw_only=True):

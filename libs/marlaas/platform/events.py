@@ -116,6 +116,7 @@ class JobSpec(Wire):
     init_adapter: Blob | None = None  # version 0's weights, copied from the source at submission
     then: str = ""  # JSON of the submission started when this job completes ("" = none; api.follow_up)
     submitted_at: float = 0.0
+    priority: str = "normal"  # "low" | "normal" | "high": its requests' order among its tenant's in the engine
 
 
 class JobState(str, enum.Enum):
