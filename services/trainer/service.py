@@ -466,7 +466,7 @@ async def take_batches(rt: Runtime, trainer: Trainer) -> None:
     cfg = rt.config.trainer
     queues = TenantQueues(rt.bus, "TRAJ", DURABLE, subjects.TRAJECTORY_READY, nested=True,
                           ack_wait_s=cfg.ack_wait_s, max_deliver=MAX_DELIVER, on_give_up=trainer.give_up,
-                          max_ack_pending=MAX_HELD, held=trainer.held)
+                          max_ack_pending=MAX_HELD, held=trainer.held, doorbell=True)
     if cfg.fair_share:
         await queues.retire(DURABLE)
         await queues.run(trainer.handle, rt.stop)

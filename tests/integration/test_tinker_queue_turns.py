@@ -161,7 +161,7 @@ async def test_the_trainers_batches_by_tenant_turns_a_paused_tenant_waits_and_he
             delivery.defer()
 
     queues = TenantQueues(bus, "TRAJ", "trainer", subjects.TRAJECTORY_READY, nested=True, ack_wait_s=20,
-                          max_deliver=-1, held=lambda: {"alice": len(holding)})
+                          max_deliver=-1, held=lambda: {"alice": len(holding)}, doorbell=True)
     async with serving(queues, handler):
         await eventually(lambda: len(served) == 3, timeout_s=15, what="alice's three batches")
         await asyncio.sleep(1.0)  # bob's wait while he is paused

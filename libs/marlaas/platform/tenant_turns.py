@@ -18,7 +18,9 @@ subjects name a job rather than a tenant (``<subject>.<tenant>.<name>``, the tra
 batches) is read the same way (``nested``): a tenant's consumer takes every job of its own. A
 handler may hold messages unacked after it returns (the trainer's groups of a batch in progress,
 :meth:`Delivery.defer`); ``held`` says how many per tenant, so they are not taken for waiting ones.
-A turn that finds nothing (a request put back for a moment) costs its tenant the turn's wait.
+A turn that finds nothing (a request put back for a moment) costs its tenant the turn's wait. An
+idle queue looks again every ``IDLE_S``, or at once when a message is published (``doorbell``: a
+core subscription on the subjects, so each message reaches the process twice; for small ones).
 
 A paused tenant (``marlaas tenant pause NAME``) has no turns: its requests stay queued, untouched,
 until ``marlaas tenant resume NAME``; what it had in hand finishes.
@@ -89,11 +91,12 @@ class TenantQueues:
     def __init__(self, bus: Bus, stream: str, durable: str, subject: str, *, ack_wait_s: float,
                  max_deliver: int, concurrency: int = 1, per_tenant: int | None = None,
                  retry_delay_s: float = 1.0, on_give_up: GiveUp | None = None, nested: bool = False,
-                 max_ack_pending: int = 0, held: Callable[[], Mapping[str, int]] | None = None) -> None:
+                 max_ack_pending: int = 0, held: Callable[[], Mapping[str, int]] | None = None,
+                 doorbell: bool = False) -> None:
         self.bus, self.stream, self.durable, self.subject = bus, stream, durable, subject
         self.ack_wait_s, self.max_deliver, self.retry_delay_s = ack_wait_s, max_deliver, retry_delay_s
         self.concurrency, self.per_tenant, self.on_give_up = concurrency, per_tenant, on_give_up
-        self.nested, self.held = nested, held
+        self.nested, self.held, self.rings = nested, held, doorbell
         self.max_ack_pending = max_ack_pending or max(concurrency, 1) * 4
         self.in_hand: Counter[str] = Counter()
         self.virtual: dict[str, float] = {}  # each waiting tenant's seconds in hand, over its weight
@@ -151,19 +154,20 @@ class TenantQueues:
         slots = asyncio.Semaphore(self.concurrency)
         running: set[asyncio.Task] = set()
         failures = 0
-        doorbell = asyncio.Event()  # a request published: an idle queue looks at once, not after IDLE_S
+        rung = asyncio.Event()  # a request published: an idle queue looks at once, not after IDLE_S
 
         async def ring(msg) -> None:
-            doorbell.set()
+            rung.set()
 
         bell = None
-        with contextlib.suppress(Exception):  # without it, the queue looks every IDLE_S
-            bell = await self.bus.nc.subscribe(f"{self.subject}.>", cb=ring)
+        if self.rings:  # each message comes to this process twice then: for small ones (the trainer's batches)
+            with contextlib.suppress(Exception):  # without it, the queue looks every IDLE_S
+                bell = await self.bus.nc.subscribe(f"{self.subject}.>", cb=ring)
         try:
             while not stop.is_set():
                 await slots.acquire()
                 tenant = None
-                doorbell.clear()  # before looking: a request published after the look rings again
+                rung.clear()  # before looking: a request published after the look rings again
                 try:
                     waiting = await self.waiting()
                     self.virtual = lifted(self.virtual, waiting)
@@ -189,7 +193,7 @@ class TenantQueues:
                     slots.release()
                     if tenant is None:
                         with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(doorbell.wait(), IDLE_S)
+                            await asyncio.wait_for(rung.wait(), IDLE_S)
                     continue
                 self.in_hand[tenant] += 1
                 task = asyncio.create_task(self._serve(tenant, Delivery(msgs[0]), handler, slots))
