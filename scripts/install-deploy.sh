@@ -19,8 +19,8 @@ if [ -n "$need" ]; then
     echo "install-deploy: installing$need"
     export DEBIAN_FRONTEND=noninteractive
     # shellcheck disable=SC2086
-    apt-get install -y -q --no-install-recommends $need >/dev/null 2>&1 \
-        || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $need >/dev/null; }
+    apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends $need >/dev/null 2>&1 \
+        || { apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null && apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends $need >/dev/null; }
 fi
 dropin=/etc/containers/containers.conf.d/50-marlaas-deploy-test.conf
 if [ ! -f "$dropin" ]; then

@@ -18,6 +18,6 @@ if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
 fi
 export DEBIAN_FRONTEND=noninteractive
 # shellcheck disable=SC2086
-apt-get install -y -q --no-install-recommends $need >/dev/null 2>&1 \
-    || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $need >/dev/null; }
+apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends $need >/dev/null 2>&1 \
+    || { apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null && apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends $need >/dev/null; }
 echo "install-system: installed$need"
