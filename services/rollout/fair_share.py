@@ -27,9 +27,11 @@ import asyncio
 import itertools
 from collections import Counter, deque
 
+from marlaas.platform.api import PRIORITIES
+
 TAG_SCALE = 1000  # vLLM's priorities are integers: tags in thousandths of a token
 # a job's ``priority`` within its tenant's share: its rank (lower goes first)
-RANKS = {"high": 0, "normal": 1, "low": 2}
+RANKS = {p: rank for rank, p in enumerate(reversed(PRIORITIES))}  # high 0, normal 1, low 2
 
 
 class FairShare:

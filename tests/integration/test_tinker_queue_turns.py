@@ -112,6 +112,31 @@ async def test_the_single_consumer_of_before_is_retired(bus):
 
 
 
+async def test_a_tenant_whose_turn_finds_nothing_rests_while_another_is_served(bus):
+    """alice's only request is in another replica's hand: the stream still counts it, so she looks
+    waiting, but her turn's fetch finds nothing. She rests while bob's requests are served, rather
+    than costing the queue a fetch's wait every few of his (with no rest: one in four, six here)."""
+    await queue(bus, "alice", 1)
+    other = TenantQueues(bus, "TINKER", "trainer-tinker", SUBJECT, ack_wait_s=20, max_deliver=-1)
+    taken = await other._fetch("alice")  # another replica holds it, unacked
+    assert [m.data for m in taken] == [b"alice:0"]
+    await queue(bus, "bob", 24)
+    served: list[str] = []
+
+    async def handler(delivery: Delivery) -> None:
+        await asyncio.sleep(0.05)
+        served.append(delivery.data.decode())
+
+    queues = TenantQueues(bus, "TINKER", "trainer-tinker", SUBJECT, ack_wait_s=20, max_deliver=-1)
+    async with serving(queues, handler):
+        await eventually(lambda: len(served) == 24, timeout_s=30, what="bob's 24 requests")
+    assert served == [f"bob:{i}" for i in range(24)]
+    assert 1 <= queues.empty_turns["alice"] <= 3, queues.empty_turns
+    await taken[0].ack()
+    for sub in other.subs.values():
+        await sub.unsubscribe()
+
+
 async def test_tenants_weights_divide_the_queues_time(bus):
     """alice of weight 3 (`marlaas tenant set alice --weight 3`) and bob of 1, both with requests
     always waiting, bob's twice as long as alice's: alice has the queue three quarters of the time."""

@@ -193,7 +193,8 @@ def run_chaos(jobs: int = 4, steps: int = 12, min_kills: int = 20, nats_restarts
                 if states and all(s in ("completed", "failed", "cancelled") for s, _ in states.values()):
                     break
                 if time.monotonic() - started > timeout_s:
-                    unfinished = [j for j, (s, _) in (states or {}).items() if s not in ("completed", "failed")]
+                    ended = ("completed", "failed", "cancelled")
+                    unfinished = [j for j, (s, _) in (states or {}).items() if s not in ended]
                     with contextlib.suppress(Exception):  # what a stalled job left behind, for the log
                         on_event(asyncio.run(_stall_report(stack.nats_url, unfinished or ids, home / "logs")))
                     raise TimeoutError(f"chaos run not finished after {timeout_s:.0f}s: {states}")

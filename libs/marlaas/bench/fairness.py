@@ -50,6 +50,7 @@ import msgspec
 from marlaas.bench.report import TargetCheck
 from marlaas.bench.workload import WORKLOAD_DIR, WorkloadError
 from marlaas.platform.events import Span
+from marlaas.platform.usage import tenant_of
 
 Interval = tuple[float, float]
 ENGINE_PHASES = ("generate", "tinker_sample")
@@ -170,10 +171,6 @@ class Metered(NamedTuple):
     at: float
     engine_tokens: int
     train_s: float
-
-
-def tenant_of(job: str) -> str:
-    return job.partition(".")[0]
 
 
 def union(intervals: Iterable[Interval]) -> list[Interval]:
@@ -481,14 +478,14 @@ def run_tenants(stack, workload: FairnessWorkload, tokens: dict[str, str], jobs:
     order = [workload.victim, *(t for t in jobs if t != workload.victim)]
     started = time.time()
     ids: dict[str, list[str]] = {}
-    for tenant in order:
-        with Client(url, tokens[tenant]) as client:
-            ids[tenant] = [client.submit({**workload.job, "name": f"{label}-{tenant}-{i}", "seed": i, "steps": steps})
-                           for i in range(jobs[tenant])]
-        if tenant == workload.victim and sampling:
-            sampler.start()
-    every = [i for tenant in order for i in ids[tenant]]
     try:
+        for tenant in order:
+            with Client(url, tokens[tenant]) as client:
+                ids[tenant] = [client.submit({**workload.job, "name": f"{label}-{tenant}-{i}", "seed": i,
+                                              "steps": steps}) for i in range(jobs[tenant])]
+            if tenant == workload.victim and sampling:
+                sampler.start()
+        every = [i for tenant in order for i in ids[tenant]]
         views = asyncio.run(_wait(stack.nats_url, every, ids[workload.victim][0], stop, label, progress, steps,
                                   timeout_s))
     finally:

@@ -15,7 +15,7 @@ validated by the manager against the running stack.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
@@ -38,7 +38,8 @@ UNREPRODUCIBLE_SAMPLING = ("top_p", "top_k", "min_p", "repetition_penalty", "pre
                            "frequency_penalty")
 
 
-PRIORITIES = ("low", "normal", "high")
+Priority = Literal["low", "normal", "high"]  # a job's order among its tenant's own engine requests
+PRIORITIES: tuple[str, ...] = get_args(Priority)
 
 
 class SubmitError(ValueError):
@@ -68,7 +69,7 @@ class SubmitRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # a job to submit when this one completes, from its last version (``init_from`` set for it)
     then: dict[str, Any] | None = None
     # within your tenant's share of the engine: a high job's requests go before your normal and low ones
-    priority: Literal["low", "normal", "high"] = "normal"
+    priority: Priority = "normal"
     # the same key (per tenant) answers the same job: a client retrying a submission whose answer it
     # never got does not submit twice (the SDK sends one per submit; HTTP: the Idempotency-Key header)
     idempotency_key: str = ""

@@ -18,9 +18,11 @@ subjects name a job rather than a tenant (``<subject>.<tenant>.<name>``, the tra
 batches) is read the same way (``nested``): a tenant's consumer takes every job of its own. A
 handler may hold messages unacked after it returns (the trainer's groups of a batch in progress,
 :meth:`Delivery.defer`); ``held`` says how many per tenant, so they are not taken for waiting ones.
-A turn that finds nothing (a request put back for a moment) costs its tenant the turn's wait. An
-idle queue looks again every ``IDLE_S``, or at once when a message is published (``doorbell``: a
-core subscription on the subjects, so each message reaches the process twice; for small ones).
+A turn that finds nothing (a request put back for a moment, or in another replica's hand) costs its
+tenant the turn's wait, and the tenant rests ``REST_S`` while others have requests to take, so
+the queue's time goes to those it can serve. An idle queue looks again every ``IDLE_S``, or at
+once when a message is published (``doorbell``: a core subscription on the subjects, so each
+message reaches the process twice; for small ones).
 
 A paused tenant (``marlaas tenant pause NAME``) has no turns: its requests stay queued, untouched,
 until ``marlaas tenant resume NAME``; what it had in hand finishes.
@@ -45,6 +47,7 @@ from marlaas.platform.tenants import TENANT_RE, tenant_shares
 log = structlog.get_logger("marlaas.platform.tenant_turns")
 IDLE_S = 0.2  # how often an idle queue looks for waiting requests again (a new one rings at once)
 FETCH_S = 0.2  # a turn's fetch waits this long (a tenant's only request may be put back for a moment)
+REST_S = 1.0  # a tenant whose turn found nothing is passed over this long while others are candidates
 WEIGHTS_EVERY_S = 5.0  # the tenants' weights (and pauses) are read again this often
 CONSUMER_IDLE_S = 3600.0  # a tenant's consumer unused this long is removed by the server (re-added on use)
 
@@ -104,6 +107,8 @@ class TenantQueues:
         self.paused: frozenset[str] = frozenset()
         self.weights_at = -WEIGHTS_EVERY_S
         self.last_served: str | None = None
+        self.resting: dict[str, float] = {}  # tenant -> until when an empty turn passes it over
+        self.empty_turns: Counter[str] = Counter()
         self.subs: dict[str, object] = {}
 
     async def waiting(self) -> dict[str, int]:
@@ -172,8 +177,7 @@ class TenantQueues:
                     waiting = await self.waiting()
                     self.virtual = lifted(self.virtual, waiting)
                     await self._refresh_weights()
-                    tenant = next_turn(waiting, self.last_served, self.in_hand, self.per_tenant, self.virtual,
-                                       self.held() if self.held else None, self.paused)
+                    tenant = self._next(waiting)
                     msgs = await self._fetch(tenant) if tenant is not None else []
                     failures = 0
                 except Exception as exc:  # disconnected, an election, a consumer gone: look again
@@ -187,8 +191,13 @@ class TenantQueues:
                     continue
                 if tenant is not None:
                     self.last_served = tenant  # an empty turn (its requests put back a moment) passes too
-                    if not msgs and tenant in self.virtual:  # ... and costs its tenant the wait
-                        self.virtual[tenant] += FETCH_S / self.weights.get(tenant, 1.0)
+                    if msgs:
+                        self.resting.pop(tenant, None)
+                    else:  # ... costs its tenant the wait, and rests it while others are served
+                        self.empty_turns[tenant] += 1
+                        self.resting[tenant] = time.monotonic() + REST_S
+                        if tenant in self.virtual:
+                            self.virtual[tenant] += FETCH_S / self.weights.get(tenant, 1.0)
                 if not msgs:
                     slots.release()
                     if tenant is None:
@@ -205,6 +214,18 @@ class TenantQueues:
             for sub in [*self.subs.values(), *([bell] if bell else [])]:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
+
+    def _next(self, waiting: Mapping[str, int]) -> str | None:
+        """Whose turn it is: :func:`next_turn`, passing over resting tenants while another is a candidate."""
+        held = self.held() if self.held else None
+        now = time.monotonic()
+        self.resting = {t: until for t, until in self.resting.items() if until > now and t in waiting}
+        if self.resting:
+            tenant = next_turn(waiting, self.last_served, self.in_hand, self.per_tenant, self.virtual, held,
+                               self.paused | frozenset(self.resting))
+            if tenant is not None:
+                return tenant
+        return next_turn(waiting, self.last_served, self.in_hand, self.per_tenant, self.virtual, held, self.paused)
 
     async def _refresh_weights(self) -> None:
         """The tenants' weights and pauses, read again every ``WEIGHTS_EVERY_S`` (a change applies
