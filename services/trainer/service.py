@@ -24,6 +24,7 @@ import random
 import signal
 import time
 import uuid
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import structlog
@@ -111,6 +112,9 @@ class Trainer:
         self.finished: set[str] = set()  # jobs to drop from memory before the next step
         self.pending: dict[str, PendingBatch] = {}  # pipelined batches in progress, by job
         self.ended: set[str] = set()  # finished jobs whose batch in progress is still to be released
+        self.adding: set[str] = set()  # jobs with a group being added right now
+        # the paused tenants, as the turn queues last read them (``take_batches``; none without turns)
+        self.paused: Callable[[], Collection[str]] = frozenset
 
     async def on_job_state(self, msg) -> None:
         """Note a finished job, to drop its adapter and optimizer from memory. The drop waits for
@@ -179,13 +183,23 @@ class Trainer:
                 await (delivery.nak(0.5) if how == "nak" else delivery.term())
         log.info("batch in progress released", job=job, version=pending.version, groups=len(pending.held), how=how)
 
+    async def release_paused(self) -> None:
+        """Put back the batches in progress of paused tenants' jobs (``marlaas tenant pause``): their
+        held groups are nak'ed, to wait queued and start the version over after the resume, and their
+        adapters unpinned, so a pause holds nothing of the trainer's memory. A job whose group is being
+        added right now is left for the next look."""
+        paused = self.paused()
+        for job in [j for j in self.pending if tenant_of(j) in paused and j not in self.adding]:
+            await self.release(job, "nak")
+
     async def hold_alive(self, stop: asyncio.Event, every_s: float = 5.0) -> None:
         """Keep the held groups' ack timers from running out while their batches fill up, and
-        release the batches of jobs that finished."""
+        release the batches of jobs that finished, or whose tenant is paused."""
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), every_s)
             await self.release_finished()
+            await self.release_paused()
             for pending in list(self.pending.values()):
                 for delivery in list(pending.held.values()):
                     with contextlib.suppress(Exception):
@@ -218,8 +232,12 @@ class Trainer:
             async with span(self.bus, SERVICE, "accumulate", job, version, group=event.group,
                             samples=len(batch.samples), attempt=pending.attempt):
                 began = time.monotonic()
-                await asyncio.to_thread(self._add, snapshot.committed, batch, snapshot.record.spec,
-                                        action is GroupAction.START_OVER)
+                self.adding.add(job)
+                try:
+                    await asyncio.to_thread(self._add, snapshot.committed, batch, snapshot.record.spec,
+                                            action is GroupAction.START_OVER)
+                finally:
+                    self.adding.discard(job)
             await report_usage(self.bus, SERVICE, job, batch_usage(batch, time.monotonic() - began))
         except NonFiniteUpdate as exc:
             await self.release(job, "term")
@@ -468,6 +486,7 @@ async def take_batches(rt: Runtime, trainer: Trainer) -> None:
                           ack_wait_s=cfg.ack_wait_s, max_deliver=MAX_DELIVER, on_give_up=trainer.give_up,
                           max_ack_pending=MAX_HELD, held=trainer.held, doorbell=True)
     if cfg.fair_share:
+        trainer.paused = lambda: queues.paused
         await queues.retire(DURABLE)
         await queues.run(trainer.handle, rt.stop)
     else:

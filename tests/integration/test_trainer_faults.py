@@ -769,3 +769,44 @@ async def test_a_trainer_that_dies_holding_half_a_batch_of_groups_starts_the_ver
                    if s.phase == "accumulate" and s.attrs["attempt"] == committed_attempt)
     assert added == [0, 1]  # each group once in the committed update (group 0 was added twice in all)
     assert sorted(s.attrs["group"] for s in spans if s.phase == "accumulate") == [0, 0, 1]
+
+
+async def test_a_tenant_paused_half_way_through_a_batch_holds_nothing_and_its_version_starts_over(bus, file_store):
+    """grpo.pipeline = "groups": group 0 is added and held, then the tenant is paused (the trainer
+    reads it from its turn queues). Its batch is put back: group 0 nak'ed, the adapter unpinned.
+    Resumed, version 1 commits once, from both groups, each once in the committed update."""
+    grpo = msgspec.structs.replace(GRPO, prompts_per_step=2, pipeline="groups")
+    spec = await running_job(bus, file_store, "paused", grpo=grpo)
+
+    async def publish(group: int) -> None:
+        batch = batch_of(0, rewards=(1.0, 0.0) if group == 0 else (0.0, 0.5))
+        batch = msgspec.structs.replace(batch, samples=[msgspec.structs.replace(x, group=group)
+                                                        for x in batch.samples])
+        await bus.publish(subjects.trajectory_ready(spec.id), encode(TrajectoryReady(
+            job=spec.id, version=0, batch_id=f"{spec.id}:v0", batch=batch, group=group, groups=2)),
+            msg_id=f"{spec.id}:v0:g{group}")
+
+    trainer = Trainer(bus, file_store, PolicyTrainer(BASE))
+    paused: set[str] = set()
+    trainer.paused = lambda: paused
+    async with trainer_running(bus, trainer):
+        await publish(0)
+        await wait_for(lambda: asyncio.sleep(0, spec.id in trainer.pending and trainer.pending[spec.id].held),
+                       what="group 0 added and held")
+        assert spec.id in trainer.policy.pinned
+        await trainer.release_paused()  # nobody paused: the batch stays
+        assert set(trainer.pending[spec.id].held) == {0}
+        paused.add("acme")
+        await trainer.release_paused()
+        assert spec.id not in trainer.pending and spec.id not in trainer.policy.pinned
+        paused.clear()  # resumed (this consume loop has no turns: group 0 comes back after its nak's delay)
+        await publish(1)
+        await wait_for(lambda: at_version(bus, spec.id, 1), what="version 1")
+    assert await version_history(bus, spec.id) == [0, 1] and await announced(bus, spec.id) == [1]
+    spans = await read_spans(bus, spec.id)
+    [train] = [s for s in spans if s.phase == "train"]
+    assert train.attrs["groups"] == 2
+    added = sorted(s.attrs["group"] for s in spans
+                   if s.phase == "accumulate" and s.attrs["attempt"] == train.attrs["attempt"])
+    assert added == [0, 1]
+    assert sorted(s.attrs["group"] for s in spans if s.phase == "accumulate") == [0, 0, 1]
