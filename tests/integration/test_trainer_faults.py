@@ -734,6 +734,14 @@ async def test_a_batch_within_its_bound_is_trained_off_policy_and_recorded_as_st
     assert audit_training(await read_spans(bus, spec.id)) == []
 
 
+async def publish_group(bus: Bus, job: str, group: int) -> None:
+    """Group ``group`` of version 0's two-group batch of ``job`` (``grpo.pipeline = "groups"``)."""
+    batch = batch_of(0, rewards=(1.0, 0.0) if group == 0 else (0.0, 0.5))
+    batch = msgspec.structs.replace(batch, samples=[msgspec.structs.replace(x, group=group) for x in batch.samples])
+    await bus.publish(subjects.trajectory_ready(job), encode(TrajectoryReady(
+        job=job, version=0, batch_id=f"{job}:v0", batch=batch, group=group, groups=2)), msg_id=f"{job}:v0:g{group}")
+
+
 async def test_a_trainer_that_dies_holding_half_a_batch_of_groups_starts_the_version_over(bus, file_store):
     """grpo.pipeline = "groups": group 0 is added and held unacked; the trainer dies (its consume
     loop gone, nothing acked). A fresh trainer gets group 1, then group 0 again when its ack timer
@@ -741,24 +749,16 @@ async def test_a_trainer_that_dies_holding_half_a_batch_of_groups_starts_the_ver
     grpo = msgspec.structs.replace(GRPO, prompts_per_step=2, pipeline="groups")
     spec = await running_job(bus, file_store, "halfway", grpo=grpo)
 
-    async def publish(group: int) -> None:
-        batch = batch_of(0, rewards=(1.0, 0.0) if group == 0 else (0.0, 0.5))
-        batch = msgspec.structs.replace(batch, samples=[msgspec.structs.replace(x, group=group)
-                                                        for x in batch.samples])
-        await bus.publish(subjects.trajectory_ready(spec.id), encode(TrajectoryReady(
-            job=spec.id, version=0, batch_id=f"{spec.id}:v0", batch=batch, group=group, groups=2)),
-            msg_id=f"{spec.id}:v0:g{group}")
-
     first = Trainer(bus, file_store, PolicyTrainer(BASE))
     async with trainer_running(bus, first, ack_wait_s=3.0):
-        await publish(0)
+        await publish_group(bus, spec.id, 0)
         await wait_for(lambda: asyncio.sleep(0, spec.id in first.pending and first.pending[spec.id].held),
                        what="group 0 added and held")
         assert set(first.pending[spec.id].held) == {0}
     # the first trainer is gone with group 0 unacked (a SIGKILL leaves the same)
     second = Trainer(bus, file_store, PolicyTrainer(BASE))
     async with trainer_running(bus, second, ack_wait_s=3.0):
-        await publish(1)
+        await publish_group(bus, spec.id, 1)
         await wait_for(lambda: at_version(bus, spec.id, 1), what="version 1")
     assert await version_history(bus, spec.id) == [0, 1] and await announced(bus, spec.id) == [1]
     spans = await read_spans(bus, spec.id)
@@ -778,19 +778,11 @@ async def test_a_tenant_paused_half_way_through_a_batch_holds_nothing_and_its_ve
     grpo = msgspec.structs.replace(GRPO, prompts_per_step=2, pipeline="groups")
     spec = await running_job(bus, file_store, "paused", grpo=grpo)
 
-    async def publish(group: int) -> None:
-        batch = batch_of(0, rewards=(1.0, 0.0) if group == 0 else (0.0, 0.5))
-        batch = msgspec.structs.replace(batch, samples=[msgspec.structs.replace(x, group=group)
-                                                        for x in batch.samples])
-        await bus.publish(subjects.trajectory_ready(spec.id), encode(TrajectoryReady(
-            job=spec.id, version=0, batch_id=f"{spec.id}:v0", batch=batch, group=group, groups=2)),
-            msg_id=f"{spec.id}:v0:g{group}")
-
     trainer = Trainer(bus, file_store, PolicyTrainer(BASE))
     paused: set[str] = set()
     trainer.paused = lambda: paused
     async with trainer_running(bus, trainer):
-        await publish(0)
+        await publish_group(bus, spec.id, 0)
         await wait_for(lambda: asyncio.sleep(0, spec.id in trainer.pending and trainer.pending[spec.id].held),
                        what="group 0 added and held")
         assert spec.id in trainer.policy.pinned
@@ -800,7 +792,7 @@ async def test_a_tenant_paused_half_way_through_a_batch_holds_nothing_and_its_ve
         await trainer.release_paused()
         assert spec.id not in trainer.pending and spec.id not in trainer.policy.pinned
         paused.clear()  # resumed (this consume loop has no turns: group 0 comes back after its nak's delay)
-        await publish(1)
+        await publish_group(bus, spec.id, 1)
         await wait_for(lambda: at_version(bus, spec.id, 1), what="version 1")
     assert await version_history(bus, spec.id) == [0, 1] and await announced(bus, spec.id) == [1]
     spans = await read_spans(bus, spec.id)
