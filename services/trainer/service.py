@@ -112,7 +112,7 @@ class Trainer:
         self.finished: set[str] = set()  # jobs to drop from memory before the next step
         self.pending: dict[str, PendingBatch] = {}  # pipelined batches in progress, by job
         self.ended: set[str] = set()  # finished jobs whose batch in progress is still to be released
-        self.adding: set[str] = set()  # jobs with a group being added right now
+        self.adding: set[str] = set()  # jobs with a group in hand, not yet held
         # the paused tenants, as the turn queues last read them (``take_batches``; none without turns)
         self.paused: Callable[[], Collection[str]] = frozenset
 
@@ -162,7 +162,11 @@ class Trainer:
         if plan.action is BatchAction.WAIT:
             return await delivery.nak(WAIT_S)
         if event.group >= 0:
-            return await self._add_group(delivery, event, snapshot)
+            self.adding.add(event.job)  # its batch is not put back for a pause until the group is held
+            try:
+                return await self._add_group(delivery, event, snapshot)
+            finally:
+                self.adding.discard(event.job)
         await self._train_and_commit(delivery, event, snapshot)
 
     async def release_finished(self) -> None:
@@ -186,8 +190,8 @@ class Trainer:
     async def release_paused(self) -> None:
         """Put back the batches in progress of paused tenants' jobs (``marlaas tenant pause``): their
         held groups are nak'ed, to wait queued and start the version over after the resume, and their
-        adapters unpinned, so a pause holds nothing of the trainer's memory. A job whose group is being
-        added right now is left for the next look."""
+        adapters unpinned, so a pause holds nothing of the trainer's memory. A job with a group
+        in hand (not yet held) is left for the next look."""
         paused = self.paused()
         for job in [j for j in self.pending if tenant_of(j) in paused and j not in self.adding]:
             await self.release(job, "nak")
@@ -232,12 +236,8 @@ class Trainer:
             async with span(self.bus, SERVICE, "accumulate", job, version, group=event.group,
                             samples=len(batch.samples), attempt=pending.attempt):
                 began = time.monotonic()
-                self.adding.add(job)
-                try:
-                    await asyncio.to_thread(self._add, snapshot.committed, batch, snapshot.record.spec,
-                                            action is GroupAction.START_OVER)
-                finally:
-                    self.adding.discard(job)
+                await asyncio.to_thread(self._add, snapshot.committed, batch, snapshot.record.spec,
+                                        action is GroupAction.START_OVER)
             await report_usage(self.bus, SERVICE, job, batch_usage(batch, time.monotonic() - began))
         except NonFiniteUpdate as exc:
             await self.release(job, "term")
