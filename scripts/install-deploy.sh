@@ -17,10 +17,8 @@ if [ -n "$need" ]; then
         exit 1
     fi
     echo "install-deploy: installing$need"
-    export DEBIAN_FRONTEND=noninteractive
     # shellcheck disable=SC2086
-    apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends $need >/dev/null 2>&1 \
-        || { apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null && apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends $need >/dev/null; }
+    "$(dirname "$0")/apt-install.sh" $need
 fi
 dropin=/etc/containers/containers.conf.d/50-marlaas-deploy-test.conf
 if [ ! -f "$dropin" ]; then

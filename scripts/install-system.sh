@@ -16,8 +16,6 @@ if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
          "without graphviz the docs do not build" >&2
     exit 0
 fi
-export DEBIAN_FRONTEND=noninteractive
 # shellcheck disable=SC2086
-apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends $need >/dev/null 2>&1 \
-    || { apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null && apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends $need >/dev/null; }
+"$(dirname "$0")/apt-install.sh" $need
 echo "install-system: installed$need"
