@@ -28,16 +28,23 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/python -m marlaas.cli.demo
 
-# Two workers, a test file each at a time: a stack's test waits on its services a good part
-# of the time, so two files share the two cores (docs/testing.md has the measurements). Files
-# go out in tests/conftest.py's order, longest first (xdist would put the files with the most
-# tests first, and the one-test chaos run last)
+# Two workers, a unit of tests each at a time (a file; the shared stack's files are one unit, so
+# one stack serves them all), handed out longest first from the durations a run recorded
+# (tests/durations.json; tests/scheduling.py). At the end: the wall time and the 15 slowest tests
+# and files, read from the run's JUnit XML; `scripts/test-times.py record` turns that XML into
+# tests/durations.json and docs/testing.md's table (docs/testing.md)
+RESULTS := .test-results
 test: setup
-	$(BIN)/python -m pytest -q tests -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+	@mkdir -p $(RESULTS)
+	@start=$$(date +%s); \
+	$(BIN)/python -m pytest -q tests -n 2 --dist loadfile --junitxml=$(RESULTS)/junit.xml; rc=$$?; \
+	$(BIN)/python scripts/test-times.py report $(RESULTS)/junit.xml --wall $$(( $$(date +%s) - start )); \
+	exit $$rc
 
-# the inner loop: unit tests and the integration tests that start no vLLM engine (no `stack` mark)
+# the inner loop, after each change (under 3 minutes): every unit test (no process, no model:
+# tests/unit/conftest.py refuses them) and the integration tests that start no engine or stack
 test-fast: setup
-	$(BIN)/python -m pytest -q tests -m "not stack" -n 2 --dist loadfile --no-loadscope-reorder --durations=10
+	$(BIN)/python -m pytest -q tests -m "not stack" -n 2 --dist loadfile --durations=10
 
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit
@@ -58,4 +65,4 @@ bench: setup
 	$(BIN)/marlaas bench single-turn-3 --out bench-results/single-turn-3
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache $(RESULTS)

@@ -1,80 +1,139 @@
 #!/usr/bin/env python3
-"""Where the suite's time goes, per test file: a markdown table from pytest's ``--durations=0`` output.
+"""Where the suite's time goes, read from a run's JUnit XML (pytest ``--junitxml``; `make test`
+writes ``.test-results/junit.xml``).
 
-    python -m pytest -q tests --durations=0 | tee run.log
-    scripts/test-times.py run.log                 # one run
-    scripts/test-times.py before.log after.log    # side by side
+    scripts/test-times.py report RUN.xml [--wall S]  # the wall time, the 15 slowest tests and files
+    scripts/test-times.py record RUN.xml [--wall S]  # tests/durations.json (the scheduler's order)
+                                                     # and docs/testing.md's table, from that run
+    scripts/test-times.py table RUN.xml [RUN2.xml]   # the per-file table (two runs: side by side)
 
-``setup`` is fixture time (a module's stack start lands on its first test's setup), ``call``
-the test bodies (job waits included), ``teardown`` stopping what the fixtures started.
+A test's time is its setup, call and teardown together (pytest's JUnit default): a module's stack
+start lands on its first test, its stop on its last. Nothing here is written by hand: `record`
+rewrites the part of docs/testing.md between its two ``durations`` comment lines.
 """
 
 from __future__ import annotations
 
-import re
+import argparse
+import json
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from xml.etree import ElementTree
 
-LINE = re.compile(r"^\s*([\d.]+)s (setup|call|teardown)\s+(\S+?)::(\S+)")
+ROOT = Path(__file__).resolve().parents[1]
+DURATIONS = ROOT / "tests" / "durations.json"
+TESTING_DOC = ROOT / "docs" / "testing.md"
+BEGIN, END = "<!-- durations: begin (scripts/test-times.py record) -->", "<!-- durations: end -->"
+SLOWEST = 15
 
 
-def per_file(path: str) -> tuple[dict[str, dict[str, float]], dict[str, set[str]]]:
-    """{file: {phase: seconds}} and {file: test ids}. pytest hides durations under 5 ms unless
-    ``--durations-min=0``: a JUnit XML of the same run beside the log (``run.xml`` for
-    ``run.log``, from ``--junitxml``) gives the full count of tests per file."""
-    times: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    tests: dict[str, set[str]] = defaultdict(set)
-    with open(path, errors="replace") as f:
-        for line in f:
-            if m := LINE.match(line):
-                seconds, phase, file, test = float(m[1]), m[2], m[3], m[4]
-                times[file][phase] += seconds
-                tests[file].add(test)
-    junit = Path(path).with_suffix(".xml")
-    if junit.exists():
-        tests = defaultdict(set)
-        for case in ElementTree.parse(junit).iter("testcase"):
-            module = case.get("classname", "")
-            while module and not module.rsplit(".", 1)[-1].startswith("test_"):
-                module = module.rsplit(".", 1)[0]  # a test class's name: up to its module
-            tests[module.replace(".", "/") + ".py"].add(f"{case.get('classname')}::{case.get('name')}")
-    return times, tests
+def read_run(path: Path) -> dict:
+    """{"wall_s", "tests": {nodeid: seconds}, "outcomes": {outcome: count}} of one JUnit XML."""
+    root = ElementTree.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    tests: dict[str, float] = {}
+    outcomes: dict[str, int] = defaultdict(int)
+    for case in suite.iter("testcase"):
+        tests[nodeid_of(case)] = float(case.get("time") or 0.0)
+        kinds = {child.tag for child in case}
+        outcomes["failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds else "passed"] += 1
+    return {"wall_s": float(suite.get("time") or 0.0), "tests": tests, "outcomes": dict(outcomes)}
 
 
-def total(phases: dict[str, float]) -> float:
-    return sum(phases.values())
+def nodeid_of(case) -> str:
+    """``tests.integration.test_x.TestY`` + ``test_z[a]`` -> ``tests/integration/test_x.py::TestY::test_z[a]``."""
+    parts = case.get("classname", "").split(".")
+    at = max((i for i, part in enumerate(parts) if part.startswith("test_")), default=len(parts) - 1)
+    return "::".join(["/".join(parts[: at + 1]) + ".py", *parts[at + 1:], case.get("name", "")])
 
 
-def main(paths: list[str]) -> None:
-    runs = [per_file(p) for p in paths]
-    files = sorted({f for times, tests in runs for f in (*times, *tests)},
-                   key=lambda f: -total(runs[0][0].get(f, {})))
+def per_file(tests: dict[str, float]) -> dict[str, tuple[int, float]]:
+    """{file: (tests, seconds)}, slowest first."""
+    files: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for nodeid, seconds in tests.items():
+        entry = files[nodeid.split("::", 1)[0]]
+        entry[0] += 1
+        entry[1] += seconds
+    return {f: (n, s) for f, (n, s) in sorted(files.items(), key=lambda kv: -kv[1][1])}
+
+
+def minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {int(round(seconds % 60)):02d} s"
+
+
+def report(run: dict, wall_s: float | None) -> str:
+    tests, outcomes = run["tests"], run["outcomes"]
+    wall = wall_s if wall_s is not None else run["wall_s"]
+    work = sum(tests.values())
+    lines = [f"suite: {minutes(wall)} wall, {minutes(work)} of test time over the workers; "
+             + ", ".join(f"{n} {kind}" for kind, n in sorted(outcomes.items())),
+             f"the {SLOWEST} slowest tests (setup + call + teardown):"]
+    for nodeid, seconds in sorted(tests.items(), key=lambda kv: -kv[1])[:SLOWEST]:
+        lines.append(f"  {seconds:7.1f} s  {nodeid}")
+    lines.append(f"the {SLOWEST} slowest files:")
+    for file, (n, seconds) in list(per_file(tests).items())[:SLOWEST]:
+        lines.append(f"  {seconds:7.1f} s  {file} ({n} tests)")
+    return "\n".join(lines)
+
+
+def table(runs: list[dict]) -> str:
+    """The per-file markdown table: one run, or two side by side (before, after)."""
+    files = [per_file(run["tests"]) for run in runs]
+    names = sorted({f for fs in files for f in fs}, key=lambda f: -files[-1].get(f, (0, 0.0))[1])
     if len(runs) == 1:
-        times, tests = runs[0]
-        print("| file | tests | setup s | call s | teardown s | total s |")
-        print("|---|---:|---:|---:|---:|---:|")
-        for f in files:
-            p = times.get(f, {"setup": 0.0, "call": 0.0, "teardown": 0.0})
-            print(f"| {f} | {len(tests[f])} | {p['setup']:.0f} | {p['call']:.0f} | {p['teardown']:.0f} | "
-                  f"{total(p):.0f} |")
-        print(f"| **all** | {sum(len(t) for t in tests.values())} | "
-              + " | ".join(f"{sum(p[ph] for p in times.values()):.0f}" for ph in ("setup", "call", "teardown"))
-              + f" | {sum(total(p) for p in times.values()):.0f} |")
-        return
-    (before, btests), (after, atests) = runs[:2]
-    print("| file | tests before | tests after | before s | after s | after: setup / call / teardown s |")
-    print("|---|---:|---:|---:|---:|---|")
-    for f in files:
-        a = after.get(f, {"setup": 0.0, "call": 0.0, "teardown": 0.0})
-        print(f"| {f} | {len(btests.get(f, ()))} | {len(atests.get(f, ()))} | {total(before.get(f, {})):.0f} | "
-              f"{total(a):.0f} | {a['setup']:.0f} / {a['call']:.0f} / {a['teardown']:.0f} |")
-    print(f"| **all** | {sum(len(t) for t in btests.values())} | {sum(len(t) for t in atests.values())} | "
-          f"{sum(total(p) for p in before.values()):.0f} | {sum(total(p) for p in after.values()):.0f} | |")
+        rows = ["| file | tests | seconds |", "|---|---:|---:|"]
+        rows += [f"| {f} | {n} | {s:.0f} |" for f, (n, s) in files[0].items()]
+        rows.append(f"| **all** | {len(runs[0]['tests'])} | {sum(runs[0]['tests'].values()):.0f} |")
+        return "\n".join(rows)
+    rows = ["| file | tests before | tests after | before s | after s |", "|---|---:|---:|---:|---:|"]
+    for f in names:
+        (nb, sb), (na, sa) = files[0].get(f, (0, 0.0)), files[1].get(f, (0, 0.0))
+        rows.append(f"| {f} | {nb} | {na} | {sb:.0f} | {sa:.0f} |")
+    rows.append(f"| **all** | {len(runs[0]['tests'])} | {len(runs[1]['tests'])} | "
+                f"{sum(runs[0]['tests'].values()):.0f} | {sum(runs[1]['tests'].values()):.0f} |")
+    return "\n".join(rows)
+
+
+def record(run: dict, wall_s: float | None, source: str) -> None:
+    """tests/durations.json and docs/testing.md's table, from ``run``."""
+    files = per_file(run["tests"])
+    wall = wall_s if wall_s is not None else run["wall_s"]
+    DURATIONS.write_text(json.dumps({
+        "source": source, "recorded": time.strftime("%Y-%m-%d"), "wall_s": round(wall, 1),
+        "outcomes": run["outcomes"],
+        "files": {f: round(s, 2) for f, (_, s) in files.items()},
+        "tests": {nodeid: round(s, 2) for nodeid, s in sorted(run["tests"].items()) if s >= 1.0},
+    }, indent=1, sort_keys=False) + "\n")
+    doc = TESTING_DOC.read_text()
+    if BEGIN not in doc or END not in doc:
+        sys.exit(f"{TESTING_DOC} has no {BEGIN} ... {END} block to rewrite")
+    head, rest = doc.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    slowest = report(run, wall_s).split("\n", 1)[1]  # the report less its first line, said here in words
+    body = (f"\nRecorded {time.strftime('%Y-%m-%d')} from `{source}`: **{minutes(wall)}** wall, "
+            + ", ".join(f"{n} {kind}" for kind, n in sorted(run["outcomes"].items()))
+            + f"; {minutes(sum(run['tests'].values()))} of test time over the workers.\n\n"
+            + f"```text\n{slowest}\n```\n\n{table([run])}\n")
+    TESTING_DOC.write_text(head + BEGIN + body + END + tail)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=("report", "record", "table"))
+    parser.add_argument("runs", nargs="+", type=Path, help="JUnit XML files (pytest --junitxml)")
+    parser.add_argument("--wall", type=float, help="the run's wall time in seconds (else the XML's)")
+    args = parser.parse_args(argv)
+    runs = [read_run(path) for path in args.runs]
+    if args.command == "report":
+        print(report(runs[0], args.wall))
+    elif args.command == "record":
+        record(runs[0], args.wall, str(args.runs[0]))
+        print(f"wrote {DURATIONS.relative_to(ROOT)} and the table in {TESTING_DOC.relative_to(ROOT)}")
+    else:
+        print(table(runs[:2]))
 
 
 if __name__ == "__main__":
-    if not sys.argv[1:]:
-        sys.exit(__doc__)
     main(sys.argv[1:])

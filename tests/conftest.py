@@ -36,17 +36,57 @@ def started_by_the_suite(since: float) -> list:
 
 
 def pytest_collection_modifyitems(items):
-    """Longest first: `slow` files, then those that start a `stack`, then the rest (stable within
-    each). Under ``-n 2 --dist loadfile`` the workers take files in this order, so the long ones
-    start early and the many short ones fill in beside them."""
-    def weight(item) -> int:
-        return 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("stack") else 2
+    """Longest first, by the times a real run recorded (tests/durations.json; tests/scheduling.py):
+    under ``make test`` the workers take the units in this order, so the long ones start early and
+    the many short ones fill in beside them. Whole units move: a module's tests stay together, and
+    the files of the shared stack run one after another on one worker."""
+    from tests.scheduling import recorded, unit_of, unit_seconds
 
-    files: dict = {}  # path -> (its heaviest test's weight, the order it was collected in)
+    files = recorded()["files"]
+    first_seen: dict = {}
     for item in items:
-        heaviest, order = files.get(item.path, (2, len(files)))
-        files[item.path] = (min(heaviest, weight(item)), order)
-    items.sort(key=lambda item: files[item.path])  # whole files move: a module's tests stay together
+        first_seen.setdefault(unit_of(item.nodeid), len(first_seen))
+    items.sort(key=lambda item: (-unit_seconds(unit_of(item.nodeid), files), first_seen[unit_of(item.nodeid)]))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (``make test``) schedules by recorded durations (tests/scheduling.py)."""
+    if config.getoption("dist") == "loadfile":
+        from tests.scheduling import DurationScheduling
+
+        return DurationScheduling(config, log)
+    return None
+
+
+SHARED: dict = {}  # this process's shared stack while it runs, and the test that comes next
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    SHARED["next"] = nextitem  # read by shared_stack's teardown, which runs in this phase
+
+
+@pytest.fixture(scope="module")
+def shared_stack(tmp_path_factory):
+    """The session's one running stack, for every test that needs a running default stack and no
+    more: the embedded stack on its own defaults (no config of its own), its gateway on a free port.
+    Its users are marked ``shared_stack`` (tests/scheduling.py runs them one after another on one
+    worker, so one stack serves them all) and each adds tenants of its own, so no test sees another's
+    jobs (test_rl_loop.py alone uses the ``default`` tenant). Started by the first module that asks,
+    stopped when a module that used it ends and the next test is not one of its users (so the tests
+    that follow on this worker do not start their stacks beside it). A test that must kill, restart
+    or reconfigure a stack starts its own and says why (``own_stack``)."""
+    from marlaas.platform.config import load_config
+    from marlaas.stack.launcher import Stack
+    from tests.scheduling import SHARED_UNIT, unit_of
+
+    if "stack" not in SHARED:
+        home = tmp_path_factory.mktemp("shared-home")
+        SHARED["stack"] = Stack(load_config(overrides={"home": str(home), "gateway.port": 0}, env={})).start()
+    yield SHARED["stack"]
+    nextitem = SHARED.get("next")
+    if nextitem is None or unit_of(nextitem.nodeid) != SHARED_UNIT:
+        SHARED.pop("stack").stop()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -14,7 +14,8 @@ from marlaas.platform.telemetry import read_spans
 from marlaas.stack.launcher import Stack
 from services.manager.adaptive import SETTLE_STEPS
 
-pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+pytestmark = [pytest.mark.stack,  # starts a vLLM engine: not in `make test-fast`
+              pytest.mark.own_stack("manager.admission = adaptive: a config of its own")]
 
 
 @pytest.mark.timeout(500)

@@ -38,7 +38,8 @@ from marlaas.platform.telemetry import read_spans
 from marlaas.stack.launcher import Stack
 from marlaas.tools.registry import read_tool
 
-pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+pytestmark = [pytest.mark.stack,  # starts a vLLM engine: not in `make test-fast`
+              pytest.mark.own_stack("rollout.block_size = 32 for ~100-token episodes: a config of its own")]
 
 TOOLS_FILE = Path(__file__).resolve().parents[2] / "examples" / "made_up_tools.py"
 _spec = importlib.util.spec_from_file_location("made_up_tools", TOOLS_FILE)

@@ -12,7 +12,6 @@ import asyncio
 import time
 
 import pytest
-from transformers import AutoTokenizer
 
 from marlaas.basemodel import builtin_model_dir
 from marlaas.platform.events import TOOL, ToolResult, encode
@@ -21,8 +20,9 @@ from marlaas.tools.protocol import render_call
 from marlaas.tools.serving import ToolError, serve_tools
 from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
 from services.rollout.engine import Completion
+from tests.models import tokenizer as tokenizer_of
 
-TOKENIZER = AutoTokenizer.from_pretrained(builtin_model_dir())
+TOKENIZER = tokenizer_of(builtin_model_dir())
 FMT = ConversationFormat(TOKENIZER)
 LIMITS = EpisodeLimits(max_new_tokens=96, max_tool_calls=3, max_observation_tokens=200, max_total_tokens=480,
                        tool_timeout_s=1.0)

@@ -28,7 +28,8 @@ from marlaas.platform.telemetry import read_spans
 from marlaas.stack.launcher import Stack
 from marlaas.tools.protocol import RESPONSE_CLOSE, RESPONSE_OPEN
 
-pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+pytestmark = [pytest.mark.stack,  # starts a vLLM engine: not in `make test-fast`
+              pytest.mark.own_stack("the char base with bare prompts and a 1.5 s tool timeout: a config of its own")]
 
 STEPS = 40
 TOOL_SCRIPT = Path(__file__).parent / "tools" / "acme_calculator.py"
@@ -104,9 +105,9 @@ def test_the_agentic_task_learns_to_use_its_tool_next_to_a_single_turn_job(stack
     # trajectories hold tool turns, and observation tokens are masked out of the loss
     with_tools = [s for b in batches if b.batch for s in b.batch.samples if 0 in s.loss_mask]  # inline ones
     assert with_tools, "no trajectory contained a tool observation"
-    from transformers import AutoTokenizer
+    from tests.models import tokenizer as tokenizer_of
 
-    tokenizer = AutoTokenizer.from_pretrained(stack.resolved.base_model_dir)
+    tokenizer = tokenizer_of(stack.resolved.base_model_dir)
     sample = with_tools[0]
     masked = [t for t, m in zip(sample.completion_ids, sample.loss_mask) if m == 0]
     assert tokenizer.decode(masked).startswith(RESPONSE_OPEN) and RESPONSE_CLOSE in tokenizer.decode(masked)

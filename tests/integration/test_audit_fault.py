@@ -14,7 +14,8 @@ from marlaas.platform.nats_client import BusClient
 from marlaas.platform.telemetry import read_spans
 from marlaas.stack.launcher import Stack
 
-pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+pytestmark = [pytest.mark.stack,  # starts a vLLM engine: not in `make test-fast`
+              pytest.mark.own_stack("an injected fault: the trainer is made to serve a stale adapter")]
 
 STEPS = 4
 

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.stack
+pytestmark = [pytest.mark.stack,
+              pytest.mark.own_stack("`marlaas bench fairness` starts and stops its own stacks (alone, fair, FIFO)")]
 FIGURES = ("engine_share_vs_weight", "trainer_share_vs_weight")
 
 

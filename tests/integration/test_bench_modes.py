@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.own_stack("`marlaas bench` starts and stops a stack per mode itself")
+
 WORKLOAD = """
 description = "two addition jobs"
 modes = ["sync", "async-single-lora"]

@@ -12,7 +12,8 @@ import pytest
 
 from marlaas.bench.chaos import run_chaos
 
-pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+pytestmark = [pytest.mark.stack,  # starts a vLLM engine: not in `make test-fast`
+              pytest.mark.own_stack("the chaos run kills and restarts services and the broker")]
 
 
 @pytest.mark.slow

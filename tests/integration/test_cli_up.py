@@ -14,7 +14,8 @@ import pytest
 
 from marlaas.stack.launcher import SERVICES
 
-pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+pytestmark = [pytest.mark.stack,  # starts a vLLM engine: not in `make test-fast`
+              pytest.mark.own_stack("`marlaas up` itself, stopped with ctrl-c")]
 
 
 def alive(pid: int) -> bool:

@@ -14,7 +14,8 @@ from marlaas.platform.events import POLICY
 from marlaas.platform.nats_client import BusClient
 from marlaas.stack.launcher import Stack
 
-pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+pytestmark = [pytest.mark.stack,  # starts a vLLM engine: not in `make test-fast`
+              pytest.mark.own_stack("kills the trainer and rollout mid-job and restarts them")]
 
 STEPS = 12
 

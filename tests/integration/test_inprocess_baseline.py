@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from marlaas.platform.adapters import WEIGHTS_FILE
 
-pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+pytestmark = [pytest.mark.stack,  # starts a vLLM engine: not in `make test-fast`
+              pytest.mark.own_stack("the in-process baseline: engine and trainer in the test's own process")]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "inprocess_grpo.py"
 

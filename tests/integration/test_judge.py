@@ -30,7 +30,8 @@ from marlaas.tools.registry import reward_subject
 from services.env import service as env_service
 from services.env.judge import Judge
 
-pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+pytestmark = [pytest.mark.stack,  # starts a vLLM engine: not in `make test-fast`
+              pytest.mark.own_stack("`vllm serve` as the judge's OpenAI-compatible server")]
 
 STARTUP_S = 240.0
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "search_qa"

@@ -21,6 +21,8 @@ from marlaas.platform.nats_client import BusClient
 from marlaas.platform.telemetry import read_spans
 from marlaas.stack.launcher import Stack
 
+pytestmark = pytest.mark.own_stack("32 jobs submitted at once: a load the shared stack's other users would wait on")
+
 JOBS, STEPS = 32, 2
 TASKS = ("addition", "reverse", "repeat")
 SMALL = {"prompts_per_step": 2, "group_size": 2}

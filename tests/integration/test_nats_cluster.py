@@ -28,7 +28,8 @@ from marlaas.platform.nats_client import FINISHED, BusClient
 from marlaas.stack.embedded_nats import EmbeddedNatsCluster
 from marlaas.stack.launcher import Stack, StackError
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240),
+              pytest.mark.own_stack("a 3-node JetStream cluster whose nodes are killed")]
 
 SUBJECT = "marlaas.trajectory.ready.t.j"
 ALL_STREAMS = [s.name for s in STREAMS] + [f"KV_{b.name}" for b in BUCKETS]

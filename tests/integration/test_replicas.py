@@ -16,7 +16,8 @@ from marlaas.platform.nats_client import BusClient
 from marlaas.platform.telemetry import read_spans
 from marlaas.stack.launcher import Stack
 
-pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+pytestmark = [pytest.mark.stack,  # starts a vLLM engine: not in `make test-fast`
+              pytest.mark.own_stack("two replicas of rollout, trainer and env, one of them killed")]
 
 JOBS = [("addition", 0), ("reverse", 1), ("repeat", 2), ("addition", 3)]
 STEPS = 6

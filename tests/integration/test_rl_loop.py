@@ -25,13 +25,11 @@ import torch
 
 from marlaas.platform.audit import MAX_LOGPROB_GAP, audit_training, gaps_by_version
 from marlaas.platform.bus import Bus
-from marlaas.platform.config import load_config
 from marlaas.platform.events import POLICY, PolicyCommitted
 from marlaas.platform.nats_client import ApiError, BusClient
 from marlaas.platform.telemetry import read_spans
-from marlaas.stack.launcher import Stack
 
-pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+pytestmark = [pytest.mark.stack, pytest.mark.shared_stack]  # the session's stack: not in `make test-fast`
 
 STEPS = 40
 # addition and reverse sample 16 prompts x 4 a step instead of the default 8 x 8: the same 64
@@ -45,10 +43,9 @@ JOBS = [
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    config = load_config(overrides={"home": str(tmp_path_factory.mktemp("marlaas-home")), "gateway.port": 0}, env={})
-    with Stack(config) as running:
-        yield running
+def stack(shared_stack):
+    """The session's stack; this module's jobs are its ``default`` tenant's (no other module's)."""
+    return shared_stack
 
 
 def run(coro):
@@ -113,7 +110,8 @@ def test_three_concurrent_jobs_learn_on_policy_with_overlap(stack):
     for task, (first, last) in gains.items():
         assert last >= first + 0.1, f"{task} did not learn: {gains}"
 
-    spans = run(all_spans(stack.nats_url))
+    # this run's jobs only: the session's stack also holds the spans of jobs other tests ran
+    spans = [s for s in run(all_spans(stack.nats_url)) if s.job in {view.id for view in views}]
     generate = [s for s in spans if s.phase == "generate"]
     train = [s for s in spans if s.phase == "train"]
 

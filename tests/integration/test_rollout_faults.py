@@ -50,7 +50,8 @@ from marlaas.tools.registry import reward_subject
 from marlaas.tools.serving import answer_reward_request, decode_reward_request, reward
 from services.env.rewards import RewardBook
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.stack]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.stack,
+              pytest.mark.own_stack("rollout alone on the test's own broker, with a short reward timeout")]
 REWARD_TIMEOUT_S = 2.0  # rollout.reward_timeout_s here (60 s in production)
 TERMINATED = "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.POLICY.rollout"
 

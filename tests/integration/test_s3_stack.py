@@ -11,7 +11,8 @@ from marlaas.platform.nats_client import BusClient
 from marlaas.platform.store import S3Store
 from marlaas.stack.launcher import Stack
 
-pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+pytestmark = [pytest.mark.stack,  # starts a vLLM engine: not in `make test-fast`
+              pytest.mark.own_stack("the object store on a real S3 server")]
 
 
 @pytest.mark.timeout(400)

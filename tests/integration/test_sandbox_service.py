@@ -23,7 +23,8 @@ from marlaas.stack.launcher import Stack
 from marlaas.tools import registry
 from tests.integration.test_tenant_isolation import Conn, kv_snapshot
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.own_stack("env and sandbox alone, with the launcher's secrets set")]
 
 LAUNCHER_SECRETS = {"MARLAAS_S3_ACCESS_KEY": "launcher-access-key",
                     "MARLAAS_S3_SECRET_KEY": "launcher-secret-key-0123456789",

@@ -30,7 +30,8 @@ from marlaas.tools import registry
 from marlaas.tools import serving as tool_serving
 from marlaas.tools.serving import reward, serve_async, tool
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.own_stack("a broker with no services, to read tenants' NATS permissions")]
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,8 @@ from services.gateway.tinker_api import POLL_S  # noqa: E402
 from tests.tenant_admin import tenant_cli_ok  # noqa: E402
 from tests.tinker_stack import keys, monkeypatch_module, service, stack, url  # noqa: E402, F401
 
-pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+pytestmark = [pytest.mark.stack,  # starts a vLLM engine: not in `make test-fast`
+              pytest.mark.own_stack("two trainer replicas: a model's requests go to either, still done in order")]
 BASE = "builtin:chat"
 
 

@@ -28,7 +28,7 @@ from services.gateway import tinker_auth  # noqa: E402
 from tests.tenant_admin import tenant_cli_ok  # noqa: E402
 from tests.tinker_stack import keys, monkeypatch_module, service, stack, url  # noqa: E402, F401
 
-pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+pytestmark = [pytest.mark.stack, pytest.mark.shared_stack]  # the session's stack: not in `make test-fast`
 BASE = "builtin:chat"
 SAMPLE = types.SamplingParams(max_tokens=4, temperature=1.0, seed=3)
 

@@ -15,16 +15,17 @@ import torch
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
 
 from marlaas.basemodel import builtin_model_dir  # noqa: E402
 from services.rollout.tinker_sampling import MAX_TARGET_IDS, MAX_TOP_LOGPROBS  # noqa: E402
+from tests.models import tokenizer as tokenizer_of  # noqa: E402
 from tests.tinker_stack import keys, monkeypatch_module, service, stack, url  # noqa: E402, F401
 
-pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+pytestmark = [pytest.mark.stack, pytest.mark.shared_stack]  # the session's stack: not in `make test-fast`
 BASE = "builtin:chat"
 TOL = 1e-3
 TENANTS = ("alice",)
+TENANT_PREFIX = "logprobs-"  # the shared stack's alice is test_tinker_checkpoints.py's
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def sampler(service):
 
 @pytest.fixture(scope="module")
 def prompt() -> list[int]:
-    ids = AutoTokenizer.from_pretrained(builtin_model_dir()).encode("The capital of Peru is Lima. The capital of")
+    ids = tokenizer_of(builtin_model_dir()).encode("The capital of Peru is Lima. The capital of")
     assert len(ids) >= 8, ids
     return ids
 

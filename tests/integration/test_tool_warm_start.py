@@ -29,14 +29,13 @@ import pytest
 from marlaas.basemodel import builtin_model_dir
 from marlaas.basemodel.synthetic import split_of
 from marlaas.platform.api import follow_up, parse_submission
-from marlaas.platform.config import load_config
 from marlaas.platform.events import POLICY, GrpoSettings
 from marlaas.platform.nats_client import BusClient
 from marlaas.sdk.http import read_job_file
 from marlaas.stack.launcher import Stack
 from marlaas.tools.registry import read_tool
 
-pytestmark = pytest.mark.stack  # starts a vLLM engine: not in `make test-fast`
+pytestmark = [pytest.mark.stack, pytest.mark.shared_stack]  # the session's stack: not in `make test-fast`
 
 PROJECT = Path(__file__).resolve().parents[2] / "examples" / "tool_warm_start"
 _spec = importlib.util.spec_from_file_location("tool_warm_start", PROJECT / "tools.py")
@@ -83,9 +82,9 @@ def submit_chain(stack: Stack) -> str:
 
 
 @pytest.mark.timeout(1200)
-def test_sft_then_rl_teaches_a_tool_the_base_cannot_call(tmp_path):
-    config = load_config(overrides={"home": str(tmp_path / "home"), "gateway.port": 0,
-                                    "base_model": str(builtin_model_dir()), "rollout.prompt_format": "chat"}, env={})
+def test_sft_then_rl_teaches_a_tool_the_base_cannot_call(shared_stack, tmp_path):
+    stack = shared_stack  # the default base (the chat model) and prompt format: the stack's own defaults
+    assert (stack.resolved.base_model_dir, stack.resolved.rollout.prompt_format) == (builtin_model_dir(), "chat")
     calls_log = tmp_path / "calls.log"
     calls_log.touch()
 
@@ -113,14 +112,13 @@ def test_sft_then_rl_teaches_a_tool_the_base_cannot_call(tmp_path):
         await client.close()
         return base_view, sft_view, rl_view
 
-    with Stack(config) as stack:
-        tools = subprocess.Popen([sys.executable, str(PROJECT / "tools.py"), str(calls_log), "default"],
-                                 env={"MARLAAS_NATS_URL": stack.nats_url, "PATH": "/usr/bin:/bin"})
-        try:
-            base, sft, rl = asyncio.run(go(stack))
-        finally:
-            tools.terminate()
-            tools.wait(timeout=30)
+    tools = subprocess.Popen([sys.executable, str(PROJECT / "tools.py"), str(calls_log), "default"],
+                             env={"MARLAAS_NATS_URL": stack.nats_url, "PATH": "/usr/bin:/bin"})
+    try:
+        base, sft, rl = asyncio.run(go(stack))
+    finally:
+        tools.terminate()
+        tools.wait(timeout=30)
     assert base.state == sft.state == rl.state == "completed", (base, sft, rl)
     assert (sft.task, sft.version, rl.task, rl.version) == ("sft", 18, "agent", RL_STEPS)
     base_share, rl_share = base.metrics["tool/success_rate"], rl.metrics["tool/success_rate"]

@@ -38,7 +38,8 @@ from marlaas.sdk import BadRequest, Client
 from marlaas.stack import broker_auth
 from marlaas.stack.launcher import SERVICES, Stack
 
-pytestmark = [pytest.mark.stack, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.stack, pytest.mark.timeout(300),
+              pytest.mark.own_stack("short reward and give-up timeouts, and a session keyring the services inherit")]
 
 ROOT = Path(__file__).resolve().parents[2]
 VICTIM = {"task": "reverse", "steps": 10, "seed": 3, "name": "victim",
@@ -496,13 +497,12 @@ def test_an_unclosed_string_in_mallorys_turns_neither_stalls_the_loop_nor_alices
     steered into a given text) through rollout's own episode loop, with the stack's real tools over
     the bus, under the event-loop watchdog: each is a call error the model reads, read in linear
     time, and alice's job goes on (her status answered within 5 s meanwhile)."""
-    from transformers import AutoTokenizer
-
     from marlaas.basemodel import builtin_model_dir
     from marlaas.platform.loop_watchdog import LoopWatchdog
     from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
+    from tests.models import tokenizer as tokenizer_of
 
-    tokenizer = AutoTokenizer.from_pretrained(builtin_model_dir())
+    tokenizer = tokenizer_of(builtin_model_dir())
     fmt = ConversationFormat(tokenizer)
     limits = EpisodeLimits(max_new_tokens=40_000, max_tool_calls=3, max_observation_tokens=64,
                            max_total_tokens=80_000, tool_timeout_s=10.0)

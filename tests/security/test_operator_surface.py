@@ -22,7 +22,8 @@ from services.gateway.app import Gateway, create_app
 from services.gateway.metrics import StackMetrics
 from services.gateway.service import operator_token
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.own_stack("manager and gateway alone, reading the operator token the launcher wrote")]
 OPERATOR = "op-" + "7" * 40
 OPERATOR_PAGES = ("/metrics", "/openapi.json", "/schema", "/schema/openapi.json", "/schema/swagger")
 # what Litestar serves under /schema when its documentation pages are on

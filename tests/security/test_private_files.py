@@ -8,11 +8,15 @@ import stat
 import subprocess
 import sys
 
+import pytest
+
 from marlaas.platform.config import load_config
 from marlaas.platform.store import FileStore
 from marlaas.stack import launcher
 from marlaas.stack.launcher import Stack
 from services.gateway.service import operator_token
+
+pytestmark = pytest.mark.own_stack("the launcher's own run files and logs, and their modes")
 
 
 def mode(path) -> int:

@@ -1,5 +1,5 @@
 """The dashboard at /ui/, in a real browser: headless Chromium (Debian's, driven by selenium with
-Debian's chromedriver) against a real stack. A wrong token is refused; alice sees her job and not
+Debian's chromedriver) against the session's stack. A wrong token is refused; alice sees her job and not
 bob's; her job's reward curve is drawn (checked in the DOM and in a screenshot's pixels)."""
 from __future__ import annotations
 
@@ -9,38 +9,36 @@ import time
 import pytest
 
 from marlaas.platform.bus import Bus
-from marlaas.platform.config import load_config
 from marlaas.platform.tenants import add_tenant
 from marlaas.sdk.http import Client
-from marlaas.stack.launcher import SERVICES, Stack
 
-pytestmark = [pytest.mark.stack, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.stack, pytest.mark.shared_stack, pytest.mark.timeout(400)]
 JOB = {"task": "reverse", "steps": 3, "seed": 1, "grpo": {"prompts_per_step": 4, "group_size": 4}}
 CURVE_BLUE = (31, 95, 191)  # app.css: svg.chart polyline's stroke
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    """The stack, alice's finished job and bob's: (gateway URL, tokens, alice's job, bob's job)."""
-    config = load_config(overrides={"home": str(tmp_path_factory.mktemp("ui-home")), "gateway.port": 0}, env={})
-    services = SERVICES if "gateway" in SERVICES else (*SERVICES, "gateway")
-    with Stack(config, services=services) as stack:
-        async def tenants():
-            bus = await Bus.connect(stack.nats_url, name="test-ui")
-            try:
-                return {name: (await add_tenant(bus, name))[1] for name in ("alice", "bob")}
-            finally:
-                await bus.close()
+def site(shared_stack):
+    """On the session's stack, alice's finished job and bob's, each its own tenant (``ui-alice`` and
+    ``ui-bob``): (gateway URL, tokens by first name, alice's job, bob's job)."""
+    stack = shared_stack
 
-        tokens = asyncio.run(tenants())
-        url = (stack.run_dir / "gateway.url").read_text().strip()
-        with Client(url, tokens["alice"]) as alice, Client(url, tokens["bob"]) as bob:
-            mine, theirs = alice.submit({**JOB, "name": "mine"}), bob.submit({**JOB, "name": "theirs"})
-            deadline = time.monotonic() + 240
-            while alice.job(mine).state != "completed":
-                assert time.monotonic() < deadline, alice.job(mine)
-                time.sleep(0.5)
-        yield url, tokens, mine, theirs
+    async def tenants():
+        bus = await Bus.connect(stack.nats_url, name="test-ui")
+        try:
+            return {name: (await add_tenant(bus, f"ui-{name}"))[1] for name in ("alice", "bob")}
+        finally:
+            await bus.close()
+
+    tokens = asyncio.run(tenants())
+    url = (stack.run_dir / "gateway.url").read_text().strip()
+    with Client(url, tokens["alice"]) as alice, Client(url, tokens["bob"]) as bob:
+        mine, theirs = alice.submit({**JOB, "name": "mine"}), bob.submit({**JOB, "name": "theirs"})
+        deadline = time.monotonic() + 240
+        while alice.job(mine).state != "completed":
+            assert time.monotonic() < deadline, alice.job(mine)
+            time.sleep(0.5)
+    return url, tokens, mine, theirs
 
 
 def sign_in(driver, url: str, token: str) -> None:

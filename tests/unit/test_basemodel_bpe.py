@@ -5,7 +5,7 @@ import json
 import re
 from functools import cache
 
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
 from marlaas.basemodel import builtin_model_dir
 from marlaas.basemodel.chat_tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, TAG_TOKENS, train_tokenizer
@@ -18,6 +18,7 @@ from marlaas.basemodel.synthetic import (
     make_tools,
     split_of,
 )
+from tests.models import tokenizer as tokenizer_of
 
 TOOL = {"type": "function", "function": {
     "name": "lookup_capital", "description": "Look up the capital city of a country.",
@@ -27,7 +28,7 @@ TOOL = {"type": "function", "function": {
 
 @cache
 def _tokenizer():
-    return AutoTokenizer.from_pretrained(builtin_model_dir())
+    return tokenizer_of(builtin_model_dir())
 
 
 def test_special_tokens_and_tags_are_single_ids_and_tags_survive_skip_special():

@@ -4,7 +4,6 @@ the prompt format setting, system prompts and conversations, untrusted text's ta
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
 
 from marlaas.basemodel import builtin_model_dir, char_model_dir
 from marlaas.platform.events import ToolSpec
@@ -12,6 +11,7 @@ from marlaas.tasks.matchers import contains
 from marlaas.tools.protocol import final_answer
 from services.rollout.agent import ConversationFormat
 from services.rollout.episode import Episode
+from tests.models import tokenizer as tokenizer_of
 
 LOOKUP = ToolSpec(name="lookup_capital", namespace="acme", description="Look up the capital city of a country.",
                   parameters={"type": "object", "properties": {"country": {"type": "string"}},
@@ -20,7 +20,7 @@ LOOKUP = ToolSpec(name="lookup_capital", namespace="acme", description="Look up 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(builtin_model_dir())
+    return tokenizer_of(builtin_model_dir())
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_the_prompt_format_setting_picks_the_rendering(tokenizer):
     assert not bare.chat and bare.obs_head == "<tool_response>"
     assert tokenizer.decode(bare.prompt_ids("Capital of Peru?", [LOOKUP], system="Be brief.")) == (
         "Be brief.\nCapital of Peru?")
-    char = AutoTokenizer.from_pretrained(char_model_dir())
+    char = tokenizer_of(char_model_dir())
     assert not ConversationFormat(char).chat
     with pytest.raises(ValueError, match="rollout.prompt_format = 'chat' but the base model has no chat template"):
         ConversationFormat(char, "chat")

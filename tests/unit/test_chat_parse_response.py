@@ -7,9 +7,9 @@ import json
 import time
 
 import pytest
-from transformers import AutoTokenizer
 
 from marlaas.basemodel import builtin_model_dir
+from tests.models import tokenizer as tokenizer_of
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city for the next days.",
@@ -39,7 +39,7 @@ def _conversation(call_content: str, calls: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def tok():
-    return AutoTokenizer.from_pretrained(builtin_model_dir())
+    return tokenizer_of(builtin_model_dir())
 
 
 def _prompt(tok, messages: list[dict]) -> str:

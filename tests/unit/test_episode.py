@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
 
 from marlaas.basemodel import builtin_model_dir, char_model_dir
 from marlaas.tools.protocol import (
@@ -17,13 +16,14 @@ from marlaas.tools.protocol import (
 )
 from services.rollout.agent import ConversationFormat
 from services.rollout.episode import Episode, episode_metrics
+from tests.models import tokenizer as tokenizer_of
 
 
 @pytest.fixture(scope="module", params=["chat", "bare"])
 def fmt(request):
     """Both renderings: the default chat base with its template, the character-level base bare."""
     model = builtin_model_dir() if request.param == "chat" else char_model_dir()
-    return ConversationFormat(AutoTokenizer.from_pretrained(model), request.param)
+    return ConversationFormat(tokenizer_of(model), request.param)
 
 
 def content(fmt, ids: list[int]) -> str:
@@ -88,7 +88,7 @@ def test_long_results_are_cut_with_a_visible_marker(fmt):
 def test_a_chat_template_model_gets_its_own_tool_turns():
     from copy import deepcopy
 
-    tokenizer = deepcopy(AutoTokenizer.from_pretrained(char_model_dir()))
+    tokenizer = deepcopy(tokenizer_of(char_model_dir()))
     tokenizer.chat_template = (  # a Hermes-like template, as Qwen's renders tools and tool turns
         "{% if tools %}[tools:{% for t in tools %}{{ t.function.name }};{% endfor %}]{% endif %}"
         "{% for m in messages %}{% if m.role == 'tool' %}<u><tool_response>{{ m.content }}</tool_response><e>"

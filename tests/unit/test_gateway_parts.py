@@ -201,24 +201,6 @@ def test_a_client_waits_for_a_stack_that_is_starting_and_says_so(tmp_path, monke
     assert discovery.read_state(run) is None
 
 
-def test_a_client_is_told_when_the_starting_stack_died(tmp_path, monkeypatch):
-    import subprocess
-
-    import msgspec
-
-    from marlaas.sdk import Client, MarlaasError, discovery
-
-    monkeypatch.delenv("MARLAAS_URL", raising=False)
-    monkeypatch.delenv("MARLAAS_TOKEN", raising=False)
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / discovery.STATE_FILE).write_bytes(
-        msgspec.json.encode(discovery.StackState(state=discovery.STARTING, pid=gone.pid)))
-    with pytest.raises(MarlaasError, match=f"pid {gone.pid}.*exited"):
-        Client.from_env(home=tmp_path, wait_s=30)
-
-
 def test_metrics_show_held_out_scores_without_naming_jobs():
     from prometheus_client import CollectorRegistry, generate_latest
 

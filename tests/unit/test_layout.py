@@ -96,20 +96,6 @@ def test_the_runtime_names_no_service_module():
     assert "services." not in source.replace("python -m services.", "")
 
 
-def test_reading_the_tool_protocol_loads_no_bus():
-    """Rollout's parser (``marlaas.tools.protocol``) is pure: importing it loads neither the bus
-    nor the NATS client (the package's SDK names load when first used)."""
-    import subprocess
-    import sys
-
-    probe = ("import sys, marlaas.tools.protocol; "
-             "print(sorted(m for m in sys.modules if m == 'nats' or m.startswith(('nats.', 'marlaas.platform.bus', "
-             "'marlaas.tools.serving', 'marlaas.tools.registry'))))")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]", done.stdout
-
-
 def test_the_platforms_data_files_name_no_task():
     """``platform/files.py`` reads tenants' data; the task lookup is handed in by the services
     (``DataFiles(..., get_task)``): the platform imports nothing from ``marlaas.tasks``."""

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import AutoTokenizer
 
 from marlaas.basemodel import builtin_model_dir
 from marlaas.platform.events import ToolSpec
 from marlaas.tasks import TaskError, get_task
 from marlaas.tasks.sft import step_indices, steps_for_epochs
 from services.rollout.agent import ConversationFormat
+from tests.models import tokenizer as tokenizer_of
 
 TOOL = ToolSpec(namespace="acme", name="zorbleck_capital", description="Look up the capital city of a country.",
                 parameters={"type": "object", "properties": {"country": {"type": "string"}}})
@@ -25,7 +25,7 @@ CONVERSATION = [{"role": "user", "content": "Capital of Zarvex?"},
 
 @pytest.fixture(scope="module")
 def fmt():
-    return ConversationFormat(AutoTokenizer.from_pretrained(builtin_model_dir()), "chat")
+    return ConversationFormat(tokenizer_of(builtin_model_dir()), "chat")
 
 
 def test_only_the_assistants_tokens_are_trained_and_the_prompt_is_an_episodes(fmt):

@@ -15,12 +15,12 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from replayed_turns import ReplayedTurns
-from transformers import AutoTokenizer
 
 from marlaas.basemodel import builtin_model_dir
 from marlaas.platform.events import TOOL, ToolResult, encode
 from marlaas.tools.protocol import CALL_CLOSE, CALL_OPEN, CallError, ParsedCall, json_depth, parse_call
 from services.rollout.agent import ConversationFormat, EpisodeLimits, ToolBox, run_episode
+from tests.models import tokenizer as tokenizer_of
 
 PIECES = st.sampled_from(['"', "\\", "\\\"", "{", "}", "[", "]", ":", ",", "a", " ", "\n", "é", "1e999", "-",
                           CALL_OPEN, CALL_CLOSE, '{"name": "echo", "arguments": {"text": "', '"}}', "<think>"])
@@ -64,7 +64,7 @@ def test_the_linear_scanner_measures_json_nesting_exactly(value):
     assert json_depth(text, 1_000) == reference_depth(value)
 
 
-TOKENIZER = AutoTokenizer.from_pretrained(builtin_model_dir())
+TOKENIZER = tokenizer_of(builtin_model_dir())
 FMT = ConversationFormat(TOKENIZER)
 LIMITS = EpisodeLimits(max_new_tokens=2_000, max_tool_calls=3, max_observation_tokens=64, max_total_tokens=4_000,
                        tool_timeout_s=1.0)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 
 import pytest
-from transformers import AutoTokenizer
 
 from marlaas.basemodel import builtin_model_dir, char_model_dir
 from marlaas.tools.protocol import (
@@ -23,6 +22,7 @@ from marlaas.tools.protocol import (
 )
 from services.rollout.agent import ConversationFormat
 from services.rollout.episode import Episode, settle_truncated, to_score
+from tests.models import tokenizer as tokenizer_of
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -31,7 +31,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 def fmt(request):
     """Both renderings: the default chat base with its template, the character-level base bare."""
     model = builtin_model_dir() if request.param == "chat" else char_model_dir()
-    return ConversationFormat(AutoTokenizer.from_pretrained(model), request.param)
+    return ConversationFormat(tokenizer_of(model), request.param)
 
 
 def call_text(body: str) -> str:

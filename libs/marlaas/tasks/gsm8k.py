@@ -17,7 +17,7 @@ from marlaas.tasks.base import Task, TaskError, json_records
 
 # Possessive quantifiers (``*+``) and whitespace only after a sign: a completion is a model's
 # output, and a pattern that can split one run of spaces between two ``\s*`` (or start inside
-# it) takes quadratic time on a long run (tests/unit/test_regex_audit.py)
+# it) takes quadratic time on a long run (tests/integration/test_regex_audit.py)
 _NUMBER = r"(?:(?:-\$?|\$)\s*+)?\d[\d,]*+(?:\.\d+)?(?:/\d+)?"
 _NUMBERS = re.compile(_NUMBER)
 _MARKERS = (

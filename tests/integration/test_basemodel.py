@@ -3,17 +3,18 @@
 from functools import cache
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from marlaas.basemodel import char_model_dir
 from marlaas.tasks import get_task
+from tests.models import tokenizer as tokenizer_of
 
 TOY_TASKS = ("addition", "reverse", "repeat")
 
 
 @cache
 def _tokenizer():
-    return AutoTokenizer.from_pretrained(char_model_dir())
+    return tokenizer_of(char_model_dir())
 
 
 @cache

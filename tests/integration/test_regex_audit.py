@@ -209,7 +209,8 @@ def test_every_regex_is_compiled_at_module_level_where_the_audit_sees_it():
     inline = [f"{path.relative_to(ROOT)}:{call.lineno} re.{call.func.attr}"
               for path in source_files() for call in regex_calls(path)[1]]
     assert not inline, (f"regexes this audit cannot see: {inline}; compile each at module level "
-                        "(NAME = re.compile(...)) so tests/unit/test_regex_audit.py runs it on adversarial input")
+                        "(NAME = re.compile(...)) so tests/integration/test_regex_audit.py runs it on adversarial "
+                        "input")
 
 
 def test_the_audit_finds_the_patterns_that_read_model_and_tenant_text():
