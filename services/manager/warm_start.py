@@ -19,14 +19,13 @@ optimizer. :func:`parse_init_from` and :func:`servable_problem` are the pure dec
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 
 from marlaas.platform import api, subjects, tinker_records
 from marlaas.platform.adapter_uploads import is_adapter_id, read_uploaded_adapter
-from marlaas.platform.adapters import read_adapter
+from marlaas.platform.adapters import lora_of, read_adapter
 from marlaas.platform.bus import VERSIONS_BUCKET, Bus
-from marlaas.platform.events import COMMITTED, POLICY, Blob, LoraSettings
+from marlaas.platform.events import COMMITTED, POLICY, Blob
 from marlaas.platform.store import ObjectNotFound, ObjectStore
 from marlaas.platform.tinker_records import TinkerCheckpoint
 
@@ -75,13 +74,6 @@ def servable_problem(config_json: bytes, max_rank: int, targets: frozenset[str])
         return (f"it adapts {strange}, which are not linear layers of this stack's base model: it was "
                 "trained on another base")
     return ""
-
-
-def lora_of(config_json: bytes) -> LoraSettings:
-    """The LoRA shape a PEFT ``adapter_config.json`` describes."""
-    config = json.loads(config_json)
-    return LoraSettings(rank=int(config["r"]), alpha=int(config["lora_alpha"]),
-                        target_modules=tuple(sorted(config["target_modules"])))
 
 
 async def resolve_init(bus: Bus, store: ObjectStore, tenant: str, value: str) -> tuple[bytes, bytes]:
