@@ -57,6 +57,10 @@ def parse_init_from(value: str, tenant: str) -> InitSource:
         raise api.SubmitError(f"init_from {value!r}: write {FORMS}")
     if "." not in job:
         job = f"{tenant}.{job}"
+    if not subjects.is_job_id(job):  # a wildcard (">", "*") would read every job of the tenant's at once
+        raise api.SubmitError(f"init_from {value[:80]!r}: {job[:80]!r} is not a job id (<tenant>.<name>-<suffix>, "
+                              "lowercase letters, digits and '-'; `marlaas status` lists yours): write "
+                              "JOB@VERSION or JOB@latest")
     if version == "latest":
         return InitSource(job, None)
     if not version.isdigit() or len(version) > 9:

@@ -20,6 +20,14 @@ def test_a_malformed_init_from_says_what_to_write(value, says):
         parse_init_from(value, "acme")
 
 
+@pytest.mark.parametrize("value", ["acme.>@latest", "acme.*@3", ">@latest", "*@1", "acme.a.b@latest",
+                                   "acme.Warm@2", "acme.warm\n@1", "acme.@latest", "bob.>@latest"])
+def test_a_job_in_init_from_must_be_a_job_id_never_a_subject_wildcard(value):
+    """A wildcard would have read every job of the tenant's (the versions bucket, the POLICY stream) at once."""
+    with pytest.raises(api.SubmitError, match="is not a job id"):
+        parse_init_from(value, "acme")
+
+
 def test_a_tinker_checkpoint_is_named_by_its_path():
     path = "tinker://acme.m1/sampler_weights/after-3"
     assert parse_init_from(path, "acme") == InitSource(checkpoint=path)
