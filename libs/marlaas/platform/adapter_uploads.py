@@ -3,8 +3,8 @@
 A tenant uploads the directory ``peft``'s ``save_pretrained`` writes (``adapter_config.json`` and
 ``adapter_model.safetensors``) as a ``.tar.gz`` (``POST /v1/adapters``, the format ``marlaas
 pull`` downloads), and a job names it by id as the source of its version 0. Both files are
-untrusted: :func:`read_adapter_archive` reads only the two files out of the archive, in bounded
-memory and work; :func:`adapter_problem` says why the engine
+untrusted: :func:`marlaas.platform.adapter_archives.read_adapter_archive` reads only the two
+files out of the archive, in bounded memory and work; :func:`adapter_problem` says why the engine
 could not serve or the trainer not train the adapter (not plain LoRA, a config field this stack
 does not accept, a rank or targets this stack does not serve, weights that are not a safetensors
 file of exactly the LoRA tensors the config describes, or tensors shaped for another base model).
@@ -25,19 +25,14 @@ nothing, exactly like a missing one.
 from __future__ import annotations
 
 import functools
-import gzip
 import hashlib
-import io
 import json
 import math
 import re
 import reprlib
 import struct
-import tarfile
 import time
-import zlib
-from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+from pathlib import Path
 
 import msgspec
 
@@ -53,8 +48,6 @@ PREFIX = "uploaded-adapters"
 MAX_ADAPTER_BYTES = 256 << 20
 MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json is ~1 KiB
 MAX_HEADER_BYTES = 16 << 20  # the safetensors header (JSON): ~150 bytes a tensor
-MAX_ARCHIVE_BYTES = MAX_ADAPTER_BYTES + 4 * MAX_CONFIG_BYTES  # an upload, gzip'd and unpacked (tar headers, a README)
-MAX_ARCHIVE_MEMBERS = 16  # the two files, their folder, PEFT's README.md, a few more
 MAX_ADAPTERS_PER_TENANT = 16  # up to 4 GiB of a tenant's in the store
 FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}  # the dtypes a LoRA weight may have
 LORA_HALVES = ("lora_A", "lora_B")  # a LoRA tensor's name: <module path>.<half>.weight
@@ -358,84 +351,6 @@ def adapter_problem_on_base(config_json: bytes, weights: bytes, *, base_model_di
     shape = lora_shape(config_json)
     expected = fresh_adapter_shapes(str(base_model_dir), shape.rank, shape.target_modules)
     return adapter_problem(config_json, weights, max_rank=max_rank, lora_targets=targets, expected_shapes=expected)
-
-
-# --- the archive -------------------------------------------------------------------------------
-
-
-class _Bounded:
-    """A reader that refuses to give more than ``limit`` bytes in all (a gzip bomb stops there)."""
-
-    def __init__(self, raw: BinaryIO, limit: int) -> None:
-        self.raw, self.left = raw, limit
-
-    def read(self, size: int = -1) -> bytes:
-        want = self.left + 1 if size is None or size < 0 else min(size, self.left + 1)
-        data = self.raw.read(want)
-        self.left -= len(data)
-        if self.left < 0:
-            raise AdapterRefused(f"the archive unpacks to more than {MAX_ARCHIVE_BYTES} bytes: upload the adapter's "
-                                 f"two files only ({CONFIG_FILE}, {WEIGHTS_FILE})")
-        return data
-
-
-def adapter_archive(config_json: bytes, weights: bytes, mtime: float) -> bytes:
-    """A .tar.gz of a PEFT adapter directory (its two files at the archive's root): what a version's
-    or checkpoint's download answers, and what an upload sends."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        for name, data in ((CONFIG_FILE, config_json), (WEIGHTS_FILE, weights)):
-            info = tarfile.TarInfo(name)
-            info.size, info.mtime, info.mode = len(data), int(mtime), 0o644
-            tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
-
-
-def read_adapter_archive(body: BinaryIO) -> tuple[bytes, bytes]:
-    """The (config JSON, weights) of a ``.tar.gz`` of a PEFT adapter directory, or
-    :class:`AdapterRefused` naming what is wrong. Untrusted: only the two files are read (by
-    basename, in any folder of the archive), other regular files (PEFT's README.md) are skipped,
-    links, devices, absolute or ``..`` paths refused; members, their sizes and the unpacked total
-    are bounded, and nothing is written to disk."""
-    found: dict[str, bytes] = {}
-    limits = {CONFIG_FILE: MAX_CONFIG_BYTES, WEIGHTS_FILE: MAX_ADAPTER_BYTES}
-    try:
-        with tarfile.open(fileobj=_Bounded(gzip.GzipFile(fileobj=body, mode="rb"), MAX_ARCHIVE_BYTES),
-                          mode="r|") as tar:
-            for count, member in enumerate(tar, 1):
-                if count > MAX_ARCHIVE_MEMBERS:
-                    raise AdapterRefused(f"the archive has more than {MAX_ARCHIVE_MEMBERS} members: upload the "
-                                         f"adapter's two files only ({CONFIG_FILE}, {WEIGHTS_FILE})")
-                base = _member_name(member)
-                if member.isdir() or base not in limits:
-                    continue
-                if base in found:
-                    raise AdapterRefused(f"the archive holds {base} twice: upload one adapter directory")
-                if member.size > limits[base]:
-                    raise AdapterRefused(f"{base} is larger than {limits[base] >> 20} MiB: upload an adapter of a "
-                                         "lower rank or of fewer target modules")
-                found[base] = tar.extractfile(member).read()
-    except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
-        raise AdapterRefused(f"the body is not a .tar.gz archive ({exc}): send the adapter directory packed with "
-                             f"`tar -czf adapter.tar.gz -C DIR {CONFIG_FILE} {WEIGHTS_FILE}`") from None
-    if missing := [name for name in limits if name not in found]:
-        raise AdapterRefused(f"the archive has no {missing[0]}: {HOW}, packed as .tar.gz")
-    return found[CONFIG_FILE], found[WEIGHTS_FILE]
-
-
-def _member_name(member: tarfile.TarInfo) -> str:
-    """The basename of a member the archive may hold; :class:`AdapterRefused` for any other."""
-    path = PurePosixPath(member.name)
-    if member.issym() or member.islnk():
-        raise AdapterRefused(f"the archive member {member.name[:120]!r} is a link (to {member.linkname[:120]!r}): "
-                             "pack the files themselves (tar -h follows links)")
-    if not (member.isfile() or member.isdir()):
-        raise AdapterRefused(f"the archive member {member.name[:120]!r} is not a regular file or folder: pack "
-                             f"the adapter's two files only ({CONFIG_FILE}, {WEIGHTS_FILE})")
-    if path.is_absolute() or ".." in path.parts or "\\" in member.name:
-        raise AdapterRefused(f"the archive member {member.name[:120]!r} leaves the archive's folder (an absolute "
-                             "or '..' path): pack the adapter directory's files by their own names")
-    return path.name
 
 
 # --- the store ---------------------------------------------------------------------------------
