@@ -4,7 +4,7 @@ with ``init_from = "adapter-..."``.
 An upload is the adapter directory PEFT's ``save_pretrained`` writes, as a ``.tar.gz`` (what
 ``marlaas pull`` downloads). Untrusted: the body is refused past ``MAX_BODY_BYTES`` (by its
 Content-Length, and counted as it arrives) and goes to a temp file; only its two files are
-read out of the archive, bounded (:func:`~marlaas.platform.adapter_uploads.read_adapter_archive`),
+read out of the archive, bounded (:func:`~marlaas.platform.adapter_archives.read_adapter_archive`),
 and checked against this stack's engine and base model
 (:func:`~marlaas.platform.adapter_uploads.adapter_problem_on_base`), off the event loop; a
 refusal is a 400 naming what is wrong. Every endpoint acts for the token's tenant only: another
@@ -28,16 +28,15 @@ from pathlib import Path
 
 from litestar import Request, delete, get, post
 
+from marlaas.platform.adapter_archives import MAX_ARCHIVE_BYTES, read_adapter_archive
 from marlaas.platform.adapter_uploads import (
     MAX_ADAPTERS_PER_TENANT,
-    MAX_ARCHIVE_BYTES,
     AdapterRefused,
     adapter_id_of,
     adapter_problem_on_base,
     delete_adapter,
     list_adapters,
     put_adapter,
-    read_adapter_archive,
     read_adapter_record,
 )
 from marlaas.platform.config import Config

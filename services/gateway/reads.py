@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import re
 import time
 
 import nats.js.errors
@@ -36,8 +35,6 @@ from marlaas.platform.http_api import EvalInfo, JobInfo, PhaseSpan, VersionInfo
 
 log = structlog.get_logger("gateway")
 
-# <tenant>.<slug>: both parts subject-safe, so an id can never widen a subject filter
-JOB_ID = re.compile(r"^([a-z0-9][a-z0-9-]{0,31})\.[a-z0-9][a-z0-9-]{0,63}$")
 _KV_OPERATION = "KV-Operation"  # set on delete / purge markers
 
 
@@ -53,7 +50,7 @@ def refused(what: str, exc: nats.js.errors.APIError) -> BrokerRefused:
 
 def owned_job_id(tenant: str, job: str) -> bool:
     """Whether ``job`` is a well-formed id in ``tenant``'s namespace."""
-    found = JOB_ID.match(job)
+    found = subjects.JOB_ID.fullmatch(job)
     return bool(found) and found[1] == tenant
 
 

@@ -34,7 +34,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from marlaas.platform import api, limits, subjects
 from marlaas.platform import tinker_records as wire
-from marlaas.platform.adapter_uploads import adapter_archive
+from marlaas.platform.adapter_archives import adapter_archive
 from marlaas.platform.adapters import read_adapter
 from marlaas.platform.store import ObjectNotFound
 from marlaas.platform.tenants import TenantRecord, authenticate, get_tenant, tinker_api_key

@@ -11,7 +11,7 @@ from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from marlaas.platform import api, limits, subjects
-from marlaas.platform.adapter_uploads import adapter_archive
+from marlaas.platform.adapter_archives import adapter_archive
 from marlaas.platform.adapters import read_adapter
 from marlaas.platform.events import PolicyCommitted
 from marlaas.platform.http_api import Cancelled, Deleted, JobInfo, PhaseSpan, Pinned, Submitted, VersionInfo

@@ -29,7 +29,7 @@ import structlog
 
 from marlaas.platform import api, subjects
 from marlaas.platform.adapter_uploads import adapter_problem_on_base, is_adapter_id
-from marlaas.platform.adapters import init_adapter, linear_module_names, write_adapter
+from marlaas.platform.adapters import init_adapter, linear_module_names, lora_of, write_adapter
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery, StaleRevision
 from marlaas.platform.commits import announce
 from marlaas.platform.config import Config
@@ -67,7 +67,7 @@ from services.manager.tinker_sessions import TinkerQuotas, sweep_tinker_sessions
 from services.manager.usage import keep_ledger
 from services.manager.validation import StackFacts, validate_submission
 from services.manager.validation import job_id as job_id  # re-exported: tests import it here
-from services.manager.warm_start import lora_of, resolve_init, servable_problem
+from services.manager.warm_start import resolve_init, servable_problem
 
 log = structlog.get_logger("manager")
 GC_EVERY = 5  # versions between garbage collections of a job's stored objects

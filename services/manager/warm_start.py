@@ -19,14 +19,13 @@ optimizer. :func:`parse_init_from` and :func:`servable_problem` are the pure dec
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 
 from marlaas.platform import api, subjects, tinker_records
 from marlaas.platform.adapter_uploads import is_adapter_id, read_uploaded_adapter
-from marlaas.platform.adapters import read_adapter
+from marlaas.platform.adapters import lora_of, read_adapter
 from marlaas.platform.bus import VERSIONS_BUCKET, Bus
-from marlaas.platform.events import COMMITTED, POLICY, Blob, LoraSettings
+from marlaas.platform.events import COMMITTED, POLICY, Blob
 from marlaas.platform.store import ObjectNotFound, ObjectStore
 from marlaas.platform.tinker_records import TinkerCheckpoint
 
@@ -58,6 +57,10 @@ def parse_init_from(value: str, tenant: str) -> InitSource:
         raise api.SubmitError(f"init_from {value!r}: write {FORMS}")
     if "." not in job:
         job = f"{tenant}.{job}"
+    if not subjects.is_job_id(job):  # a wildcard (">", "*") would read every job of the tenant's at once
+        raise api.SubmitError(f"init_from {value[:80]!r}: {job[:80]!r} is not a job id (<tenant>.<name>-<suffix>, "
+                              "lowercase letters, digits and '-'; `marlaas status` lists yours): write "
+                              "JOB@VERSION or JOB@latest")
     if version == "latest":
         return InitSource(job, None)
     if not version.isdigit() or len(version) > 9:
@@ -75,13 +78,6 @@ def servable_problem(config_json: bytes, max_rank: int, targets: frozenset[str])
         return (f"it adapts {strange}, which are not linear layers of this stack's base model: it was "
                 "trained on another base")
     return ""
-
-
-def lora_of(config_json: bytes) -> LoraSettings:
-    """The LoRA shape a PEFT ``adapter_config.json`` describes."""
-    config = json.loads(config_json)
-    return LoraSettings(rank=int(config["r"]), alpha=int(config["lora_alpha"]),
-                        target_modules=tuple(sorted(config["target_modules"])))
 
 
 async def resolve_init(bus: Bus, store: ObjectStore, tenant: str, value: str) -> tuple[bytes, bytes]:

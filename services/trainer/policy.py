@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import json
 import os
 import tempfile
 import threading
@@ -26,14 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from peft import PeftModel, get_peft_model, set_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from transformers import AutoModelForCausalLM
 
-from marlaas.platform.adapters import CONFIG_FILE
+from marlaas.platform.adapters import CONFIG_FILE, trained_lora_config
 from marlaas.platform.events import GrpoSettings, Sample, TrajectoryBatch
 from services.trainer.fused_lora import fuse_lora_layers
 from services.trainer.grpo import (
@@ -198,8 +197,7 @@ class PolicyTrainer:
               optimizer_state: bytes | None, settings: GrpoSettings) -> None:
         self.evict(job)
         slot = f"slot{next(self._slots)}"
-        config = LoraConfig(**{k: v for k, v in json.loads(config_json).items()
-                               if k in LoraConfig.__dataclass_fields__})
+        config = trained_lora_config(config_json)  # its shape only: never a tenant's init or dropout
         config.inference_mode = False
         self._active = None  # adding and deleting adapters may change peft's active one
         if self.model is None:

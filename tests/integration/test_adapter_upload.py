@@ -19,7 +19,8 @@ import pytest
 import uvicorn
 
 from marlaas.basemodel import builtin_model_dir
-from marlaas.platform.adapter_uploads import adapter_archive, adapter_id_of, read_uploaded_adapter
+from marlaas.platform.adapter_archives import adapter_archive
+from marlaas.platform.adapter_uploads import adapter_id_of, read_uploaded_adapter
 from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE, init_adapter
 from marlaas.platform.config import load_config
 from marlaas.platform.events import LoraSettings

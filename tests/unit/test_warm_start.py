@@ -3,7 +3,7 @@ import json
 import pytest
 
 from marlaas.platform import api
-from services.manager.warm_start import InitSource, lora_of, parse_init_from, servable_problem
+from services.manager.warm_start import InitSource, parse_init_from, servable_problem
 
 
 def test_init_from_names_a_job_of_the_tenant_at_a_version_or_its_latest():
@@ -20,10 +20,12 @@ def test_a_malformed_init_from_says_what_to_write(value, says):
         parse_init_from(value, "acme")
 
 
-def test_the_lora_shape_is_read_from_the_adapter_config():
-    config = json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["v_proj", "q_proj"]}).encode()
-    shape = lora_of(config)
-    assert (shape.rank, shape.alpha, shape.target_modules) == (4, 8, ("q_proj", "v_proj"))
+@pytest.mark.parametrize("value", ["acme.>@latest", "acme.*@3", ">@latest", "*@1", "acme.a.b@latest",
+                                   "acme.Warm@2", "acme.warm\n@1", "acme.@latest", "bob.>@latest"])
+def test_a_job_in_init_from_must_be_a_job_id_never_a_subject_wildcard(value):
+    """A wildcard would have read every job of the tenant's (the versions bucket, the POLICY stream) at once."""
+    with pytest.raises(api.SubmitError, match="is not a job id"):
+        parse_init_from(value, "acme")
 
 
 def test_a_tinker_checkpoint_is_named_by_its_path():

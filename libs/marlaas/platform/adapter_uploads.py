@@ -3,12 +3,16 @@
 A tenant uploads the directory ``peft``'s ``save_pretrained`` writes (``adapter_config.json`` and
 ``adapter_model.safetensors``) as a ``.tar.gz`` (``POST /v1/adapters``, the format ``marlaas
 pull`` downloads), and a job names it by id as the source of its version 0. Both files are
-untrusted: :func:`read_adapter_archive` reads only the two files out of the archive, in bounded
-memory and work; :func:`adapter_problem` says why the engine could not serve or the trainer not
-train the adapter (not plain LoRA, a rank or targets this stack does not serve, weights that are
-not a safetensors file of exactly the LoRA tensors the config describes, or tensors shaped for
-another base model). Weights are read by parsing the safetensors header: nothing in an upload
-is ever executed or unpickled.
+untrusted: :func:`marlaas.platform.adapter_archives.read_adapter_archive` reads only the two
+files out of the archive, in bounded memory and work; :func:`adapter_problem` says why the engine
+could not serve or the trainer not train the adapter (not plain LoRA, a config field this stack
+does not accept, a rank or targets this stack does not serve, weights that are not a safetensors
+file of exactly the LoRA tensors the config describes, or tensors shaped for another base model).
+Weights are read by parsing the safetensors header: nothing in an upload is ever executed or
+unpickled. The config is checked field by field against an allow-list (:func:`lora_shape`): a
+peft setting that would run code of its own in the trainer (``init_lora_weights = "pissa"``
+rewrites the shared base weights) is refused by name, and the trainer builds its own LoRA config
+from the shape alone (:func:`marlaas.platform.adapters.trained_lora_config`).
 
 An adapter's id comes from its content (``adapter-`` and 32 hex digits of a sha256 over both
 files): one tenant's same adapter uploaded twice is one. It lives in the tenant's own prefix of
@@ -21,21 +25,18 @@ nothing, exactly like a missing one.
 from __future__ import annotations
 
 import functools
-import gzip
 import hashlib
-import io
 import json
 import math
 import re
+import reprlib
 import struct
-import tarfile
 import time
-import zlib
-from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+from pathlib import Path
 
 import msgspec
 
+from marlaas.platform import limits
 from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE
 from marlaas.platform.http_api import AdapterInfo
 from marlaas.platform.store import ImmutableKeyError, ObjectStore
@@ -47,19 +48,41 @@ PREFIX = "uploaded-adapters"
 MAX_ADAPTER_BYTES = 256 << 20
 MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json is ~1 KiB
 MAX_HEADER_BYTES = 16 << 20  # the safetensors header (JSON): ~150 bytes a tensor
-MAX_ARCHIVE_BYTES = MAX_ADAPTER_BYTES + 4 * MAX_CONFIG_BYTES  # an upload, gzip'd and unpacked (tar headers, a README)
-MAX_ARCHIVE_MEMBERS = 16  # the two files, their folder, PEFT's README.md, a few more
 MAX_ADAPTERS_PER_TENANT = 16  # up to 4 GiB of a tenant's in the store
 FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}  # the dtypes a LoRA weight may have
 LORA_HALVES = ("lora_A", "lora_B")  # a LoRA tensor's name: <module path>.<half>.weight
-# PEFT LoRA variants the engine and the trainer do not run: a job trains plain LoRA of (r, lora_alpha, targets)
-UNSUPPORTED = {
+# adapter_config.json, field by field (issue 48): a job trains, and the engine serves, plain LoRA of
+# (r, lora_alpha, target_modules), so an uploaded config is held to that. Every field peft's
+# LoraConfig writes (0.21; test_adapter_uploads checks the installed peft's) is named here or in
+# config_field_problem (init_lora_weights, bias); a field named nowhere is a peft feature nobody
+# here has looked at, and is refused by name.
+SHAPE_FIELDS = ("peft_type", "r", "lora_alpha", "target_modules", "lora_dropout")  # lora_shape checks these
+OFF = (None, False, [], {})  # what a peft field that turns nothing on holds
+UNSUPPORTED = {  # LoRA variants the engine and the trainer do not run: each must be off (one of OFF)
     "use_dora": "DoRA", "use_rslora": "rank-stabilized scaling", "use_qalora": "QA-LoRA",
     "modules_to_save": "fully trained extra modules", "lora_bias": "LoRA biases",
     "rank_pattern": "per-module ranks", "alpha_pattern": "per-module alphas",
     "target_parameters": "parameter targets", "trainable_token_indices": "trained token embeddings",
-    "layer_replication": "replicated layers",
+    "layer_replication": "replicated layers", "exclude_modules": "modules left out by pattern",
+    "layers_to_transform": "LoRA on some layers only", "layers_pattern": "LoRA on some layers only",
+    "fan_in_fan_out": "weights stored transposed, as for GPT-2's Conv1D", "use_bdlora": "block-diagonal LoRA",
+    "megatron_config": "Megatron parallel layers", "alora_invocation_tokens": "activated LoRA",
+    "arrow_config": "Arrow routing", "ensure_weight_tying": "adapted tied embeddings",
+    "loftq_config": "LoftQ initialization", "eva_config": "EVA initialization", "corda_config": "CorDA initialization",
+    "lora_ga_config": "LoRA-GA initialization", "velora_config": "VeLoRA", "monteclora_config": "MonteCLoRA",
+    "kasa_config": "KaSA",
 }
+# fields that change nothing this stack computes (notes on where the adapter came from, or a
+# setting read only with a feature above turned on): (values accepted, how the error says them)
+NOTES: dict[str, tuple[tuple[object, ...] | type, str]] = {
+    "task_type": ((None, "CAUSAL_LM"), "'CAUSAL_LM' or null"),
+    "base_model_name_or_path": (str, "a string or null"), "revision": (str, "a string or null"),
+    "peft_version": (str, "a string or null"), "auto_mapping": (dict, "an object or null"),
+    "inference_mode": ((True, False), "true or false"),
+    "megatron_core": ((None, "megatron.core"), "'megatron.core' or null"),
+    "qalora_group_size": (int, "a whole number or null"),
+}
+MAX_SHOWN_CHARS = 80  # of a refused value, in the error
 HOW = ("upload the directory peft's save_pretrained writes for a plain LoRA adapter "
        "(LoraConfig(r=..., target_modules=[...]))")
 
@@ -100,7 +123,8 @@ class LoraShape(msgspec.Struct, kw_only=True, frozen=True):
 
 def lora_shape(config_json: bytes, max_rank: int = 1 << 30) -> LoraShape:
     """The LoRA shape an ``adapter_config.json`` describes; :class:`AdapterRefused` unless it is a
-    plain LoRA config of a rank up to ``max_rank`` with its target modules listed."""
+    plain LoRA config of a rank up to ``max_rank`` with its target modules listed, every other
+    field one this stack accepts (:func:`config_field_problem`)."""
     if len(config_json) > MAX_CONFIG_BYTES:
         raise AdapterRefused(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes: {HOW}")
     try:
@@ -109,28 +133,69 @@ def lora_shape(config_json: bytes, max_rank: int = 1 << 30) -> LoraShape:
         raise AdapterRefused(f"{CONFIG_FILE} is not JSON ({exc}): {HOW}") from None
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         found = config.get("peft_type") if isinstance(config, dict) else type(config).__name__
-        raise AdapterRefused(f"{CONFIG_FILE} is not a LoRA config (its peft_type is {found!r}, not 'LORA'): {HOW}")
+        raise AdapterRefused(f"{CONFIG_FILE} is not a LoRA config (its peft_type is {shown(found)}, not 'LORA'): {HOW}")
     rank, alpha, targets = config.get("r"), config.get("lora_alpha", 8), config.get("target_modules")
+    dropout = config.get("lora_dropout", 0.0)
     if type(rank) is not int or not 1 <= rank <= max_rank:
-        raise AdapterRefused(f"{CONFIG_FILE}: r is {rank!r}, and this stack serves LoRA ranks 1..{max_rank} "
+        raise AdapterRefused(f"{CONFIG_FILE}: r is {shown(rank)}, and this stack serves LoRA ranks 1..{max_rank} "
                              "(rollout.max_lora_rank): train the adapter with a rank in that range")
-    if type(alpha) not in (int, float) or not (alpha > 0 and float(alpha).is_integer()):
-        raise AdapterRefused(f"{CONFIG_FILE}: lora_alpha is {alpha!r}: a job's LoRA alpha is a positive whole "
-                             "number; train the adapter with one")
+    # the range first: float() of a whole number past 1e308 overflows
+    if type(alpha) not in (int, float) or not (1 <= alpha <= limits.MAX_LORA_ALPHA and float(alpha).is_integer()):
+        raise AdapterRefused(f"{CONFIG_FILE}: lora_alpha is {shown(alpha)}: a job's LoRA alpha is a whole number "
+                             f"from 1 to {limits.MAX_LORA_ALPHA}; train the adapter with one")
+    if type(dropout) not in (int, float) or not 0 <= dropout < 1:
+        raise AdapterRefused(f"{CONFIG_FILE}: lora_dropout is {shown(dropout)}: a dropout probability is a number "
+                             "from 0 up to (not including) 1 (a job trains without dropout whatever it says)")
     if isinstance(targets, str):
-        raise AdapterRefused(f"{CONFIG_FILE}: target_modules is the pattern {targets[:80]!r}: list the modules "
+        raise AdapterRefused(f"{CONFIG_FILE}: target_modules is the pattern {shown(targets)}: list the modules "
                              'instead, e.g. target_modules=["q_proj", "v_proj"]')
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise AdapterRefused(f"{CONFIG_FILE}: target_modules must list the adapted modules by name, "
-                             f'e.g. ["q_proj", "v_proj"]; it is {str(targets)[:80]}')
-    for field, what in UNSUPPORTED.items():
-        if config.get(field):
-            raise AdapterRefused(f"{CONFIG_FILE}: {field} is set ({what}), and this stack serves plain LoRA "
-                                 f"only: train the adapter without {field}")
-    if config.get("bias", "none") != "none":
-        raise AdapterRefused(f"{CONFIG_FILE}: bias is {config['bias']!r}, and this stack serves plain LoRA only "
-                             "(bias = 'none'): train the adapter with bias='none'")
+                             f'e.g. ["q_proj", "v_proj"]; it is {shown(targets)}')
+    for field, value in config.items():
+        if field not in SHAPE_FIELDS and (problem := config_field_problem(field, value)):
+            raise AdapterRefused(problem)
     return LoraShape(rank=rank, alpha=int(alpha), target_modules=tuple(sorted(set(targets))))
+
+
+def config_field_problem(field: str, value: object) -> str:
+    """Why this stack refuses ``field = value`` in an ``adapter_config.json`` ("" = it accepts it);
+    the fields of :data:`SHAPE_FIELDS` are :func:`lora_shape`'s own."""
+    if field == "init_lora_weights":  # the weights come with the adapter: no initialization runs, ever
+        return "" if value is True else (
+            f"{CONFIG_FILE}: init_lora_weights is {shown(value)}: an uploaded adapter brings its weights, and a job "
+            "never runs another initialization (PiSSA, OLoRA, CorDA and the like rewrite the base model's weights): "
+            "save the adapter with init_lora_weights=True, a PiSSA or OLoRA adapter converted to plain LoRA first "
+            "(peft's save_pretrained(..., path_initial_model_for_weight_conversion=...))")
+    if field == "bias":
+        return "" if value == "none" else (
+            f"{CONFIG_FILE}: bias is {shown(value)}, and this stack serves plain LoRA only (bias = 'none'): train "
+            "the adapter with bias='none'")
+    if field in UNSUPPORTED:
+        return "" if is_one_of(value, OFF) else (
+            f"{CONFIG_FILE}: {field} is set ({UNSUPPORTED[field]}), and this stack serves plain LoRA only: train "
+            f"the adapter without {field}")
+    if field in NOTES:
+        accepted, says = NOTES[field]
+        ok = is_one_of(value, accepted) if isinstance(accepted, tuple) else value is None or type(value) is accepted
+        return "" if ok else f"{CONFIG_FILE}: {field} is {shown(value)}; it must be {says}: {HOW}"
+    return (f"{CONFIG_FILE} has the field {shown(field)}, which this stack does not accept (it serves plain LoRA: r, "
+            f"lora_alpha, target_modules and what peft notes beside them): remove it from {CONFIG_FILE}")
+
+
+def is_one_of(value: object, values: tuple[object, ...]) -> bool:
+    """Whether ``value`` is one of ``values``, type and all (JSON's 1 is not true, nor 0 false)."""
+    return any(type(value) is type(v) and value == v for v in values)
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxlong = _SHOWN.maxother = MAX_SHOWN_CHARS
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict = 2, 4, 4
+
+
+def shown(value: object) -> str:
+    """``value`` as an error quotes it: cut short, however long or deep."""
+    return _SHOWN.repr(value)
 
 
 def tensor_shapes(weights: bytes) -> dict[str, tuple[int, ...]]:
@@ -286,84 +351,6 @@ def adapter_problem_on_base(config_json: bytes, weights: bytes, *, base_model_di
     shape = lora_shape(config_json)
     expected = fresh_adapter_shapes(str(base_model_dir), shape.rank, shape.target_modules)
     return adapter_problem(config_json, weights, max_rank=max_rank, lora_targets=targets, expected_shapes=expected)
-
-
-# --- the archive -------------------------------------------------------------------------------
-
-
-class _Bounded:
-    """A reader that refuses to give more than ``limit`` bytes in all (a gzip bomb stops there)."""
-
-    def __init__(self, raw: BinaryIO, limit: int) -> None:
-        self.raw, self.left = raw, limit
-
-    def read(self, size: int = -1) -> bytes:
-        want = self.left + 1 if size is None or size < 0 else min(size, self.left + 1)
-        data = self.raw.read(want)
-        self.left -= len(data)
-        if self.left < 0:
-            raise AdapterRefused(f"the archive unpacks to more than {MAX_ARCHIVE_BYTES} bytes: upload the adapter's "
-                                 f"two files only ({CONFIG_FILE}, {WEIGHTS_FILE})")
-        return data
-
-
-def adapter_archive(config_json: bytes, weights: bytes, mtime: float) -> bytes:
-    """A .tar.gz of a PEFT adapter directory (its two files at the archive's root): what a version's
-    or checkpoint's download answers, and what an upload sends."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        for name, data in ((CONFIG_FILE, config_json), (WEIGHTS_FILE, weights)):
-            info = tarfile.TarInfo(name)
-            info.size, info.mtime, info.mode = len(data), int(mtime), 0o644
-            tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
-
-
-def read_adapter_archive(body: BinaryIO) -> tuple[bytes, bytes]:
-    """The (config JSON, weights) of a ``.tar.gz`` of a PEFT adapter directory, or
-    :class:`AdapterRefused` naming what is wrong. Untrusted: only the two files are read (by
-    basename, in any folder of the archive), other regular files (PEFT's README.md) are skipped,
-    links, devices, absolute or ``..`` paths refused; members, their sizes and the unpacked total
-    are bounded, and nothing is written to disk."""
-    found: dict[str, bytes] = {}
-    limits = {CONFIG_FILE: MAX_CONFIG_BYTES, WEIGHTS_FILE: MAX_ADAPTER_BYTES}
-    try:
-        with tarfile.open(fileobj=_Bounded(gzip.GzipFile(fileobj=body, mode="rb"), MAX_ARCHIVE_BYTES),
-                          mode="r|") as tar:
-            for count, member in enumerate(tar, 1):
-                if count > MAX_ARCHIVE_MEMBERS:
-                    raise AdapterRefused(f"the archive has more than {MAX_ARCHIVE_MEMBERS} members: upload the "
-                                         f"adapter's two files only ({CONFIG_FILE}, {WEIGHTS_FILE})")
-                base = _member_name(member)
-                if member.isdir() or base not in limits:
-                    continue
-                if base in found:
-                    raise AdapterRefused(f"the archive holds {base} twice: upload one adapter directory")
-                if member.size > limits[base]:
-                    raise AdapterRefused(f"{base} is larger than {limits[base] >> 20} MiB: upload an adapter of a "
-                                         "lower rank or of fewer target modules")
-                found[base] = tar.extractfile(member).read()
-    except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
-        raise AdapterRefused(f"the body is not a .tar.gz archive ({exc}): send the adapter directory packed with "
-                             f"`tar -czf adapter.tar.gz -C DIR {CONFIG_FILE} {WEIGHTS_FILE}`") from None
-    if missing := [name for name in limits if name not in found]:
-        raise AdapterRefused(f"the archive has no {missing[0]}: {HOW}, packed as .tar.gz")
-    return found[CONFIG_FILE], found[WEIGHTS_FILE]
-
-
-def _member_name(member: tarfile.TarInfo) -> str:
-    """The basename of a member the archive may hold; :class:`AdapterRefused` for any other."""
-    path = PurePosixPath(member.name)
-    if member.issym() or member.islnk():
-        raise AdapterRefused(f"the archive member {member.name[:120]!r} is a link (to {member.linkname[:120]!r}): "
-                             "pack the files themselves (tar -h follows links)")
-    if not (member.isfile() or member.isdir()):
-        raise AdapterRefused(f"the archive member {member.name[:120]!r} is not a regular file or folder: pack "
-                             f"the adapter's two files only ({CONFIG_FILE}, {WEIGHTS_FILE})")
-    if path.is_absolute() or ".." in path.parts or "\\" in member.name:
-        raise AdapterRefused(f"the archive member {member.name[:120]!r} leaves the archive's folder (an absolute "
-                             "or '..' path): pack the adapter directory's files by their own names")
-    return path.name
 
 
 # --- the store ---------------------------------------------------------------------------------

@@ -58,13 +58,41 @@ def materialize(store: ObjectStore, blob: Blob, dest: Path) -> Path:
 
 
 def lora_config(settings: LoraSettings):
-    """The peft ``LoraConfig`` for a job's settings."""
+    """The peft ``LoraConfig`` for a job's settings: plain LoRA, nothing else turned on."""
     from peft import LoraConfig
 
     return LoraConfig(
         r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
         target_modules=list(settings.target_modules), bias="none", task_type="CAUSAL_LM",
+        # peft's default, said out loud: any other (PiSSA, OLoRA, LoftQ, ...) rewrites the base weights
+        # that every job on the trainer shares
+        init_lora_weights=True,
     )
+
+
+def lora_of(config_json: bytes) -> LoraSettings:
+    """The LoRA shape a stored PEFT ``adapter_config.json`` describes: its rank, alpha and target
+    modules, nothing else. Its dropout is not one of them: every job trains without (an RL job's
+    dropout would train a policy other than the one that sampled; the manager refuses lora.dropout)."""
+    config = json.loads(config_json)
+    return LoraSettings(rank=int(config["r"]), alpha=int(config.get("lora_alpha", 8)),  # peft's default alpha
+                        target_modules=tuple(sorted(config["target_modules"])))
+
+
+def trained_lora_config(config_json: bytes):
+    """The peft ``LoraConfig`` the trainer builds for a stored adapter: :func:`lora_config` of its
+    shape (:func:`lora_of`) and its base model's name, whatever else the file says.
+
+    A tenant's uploaded config is checked field by field at upload
+    (:func:`marlaas.platform.adapter_uploads.lora_shape`), and here it is still never passed
+    through to peft: ``init_lora_weights = "pissa"`` would make peft rewrite the base weights
+    that every job shares (and ``"pissa_niter_<N>"`` run N iterations of SVD first), a
+    ``lora_dropout`` train an RL job off-policy, ``layers_to_transform`` or ``exclude_modules``
+    train another adapter than the one the engine serves."""
+    config = lora_config(lora_of(config_json))
+    base = json.loads(config_json).get("base_model_name_or_path")
+    config.base_model_name_or_path = base if isinstance(base, str) else None  # a note, read by nothing
+    return config
 
 
 def linear_module_names(model_dir) -> set[str]:

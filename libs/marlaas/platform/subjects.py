@@ -27,7 +27,17 @@ subject                                     stream      from -> to
 
 from __future__ import annotations
 
+import re
+
 PREFIX = "marlaas"
+# a job id, <tenant>.<slug>: both parts subject-safe, so an id can never widen a subject filter (a
+# ">" or "*" in one would read all of a tenant's jobs at once). Used with fullmatch ("$" lets a "\n" by)
+JOB_ID = re.compile(r"([a-z0-9][a-z0-9-]{0,31})\.[a-z0-9][a-z0-9-]{0,63}")
+
+
+def is_job_id(value: object) -> bool:
+    """Whether ``value`` is a well-formed job id (``<tenant>.<slug>``, lowercase letters, digits and '-')."""
+    return isinstance(value, str) and JOB_ID.fullmatch(value) is not None
 
 
 def job_submitted(job: str = ">") -> str:

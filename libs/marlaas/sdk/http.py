@@ -33,7 +33,8 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from marlaas.platform.adapter_uploads import adapter_archive, adapter_id_of, is_adapter_id
+from marlaas.platform.adapter_archives import adapter_archive
+from marlaas.platform.adapter_uploads import adapter_id_of, is_adapter_id
 from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE
 from marlaas.platform.http_api import (
     PATH_FIELDS,
