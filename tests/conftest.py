@@ -61,9 +61,28 @@ def pytest_xdist_make_scheduler(config, log):
 SHARED: dict = {}  # this process's shared stack while it runs, and the test that comes next
 
 
-@pytest.hookimpl(tryfirst=True)
+def runs_on_the_shared_stack(item) -> bool:
+    from tests.scheduling import SHARED_UNIT, unit_of
+
+    return item is not None and unit_of(item.nodeid) == SHARED_UNIT
+
+
+def stop_shared_stack() -> None:
+    if (running := SHARED.pop("stack", None)) is not None:
+        running.stop()
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
+    """The shared stack stops once its last user has run, not at the end of the worker's session
+    (the tests this worker runs next start stacks of their own beside it otherwise): in the
+    teardown of its users' modules, and after this teardown where that did not happen."""
     SHARED["next"] = nextitem  # read by shared_stack's teardown, which runs in this phase
+    try:
+        return (yield)
+    finally:
+        if not runs_on_the_shared_stack(nextitem):
+            stop_shared_stack()
 
 
 @pytest.fixture(scope="module")
@@ -78,15 +97,13 @@ def shared_stack(tmp_path_factory):
     or reconfigure a stack starts its own and says why (``own_stack``)."""
     from marlaas.platform.config import load_config
     from marlaas.stack.launcher import Stack
-    from tests.scheduling import SHARED_UNIT, unit_of
 
     if "stack" not in SHARED:
         home = tmp_path_factory.mktemp("shared-home")
         SHARED["stack"] = Stack(load_config(overrides={"home": str(home), "gateway.port": 0}, env={})).start()
     yield SHARED["stack"]
-    nextitem = SHARED.get("next")
-    if nextitem is None or unit_of(nextitem.nodeid) != SHARED_UNIT:
-        SHARED.pop("stack").stop()
+    if not runs_on_the_shared_stack(SHARED.get("next")):
+        stop_shared_stack()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -96,6 +113,7 @@ def no_process_left_behind():
 
     since = time.time() - 1
     yield
+    stop_shared_stack()  # stopped after its last user already, unless a run ended in its midst
     deadline = time.monotonic() + 20
     while (left := started_by_the_suite(since)) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -161,12 +161,14 @@ async def test_a_high_priority_job_is_served_before_its_tenants_low_ones(engines
     engine = engines("fused", max_num_seqs=1, fair_share=True)  # fair share is the default under "fifo"
     finished: list[str] = []
 
-    async def request(tenant: str, what: str, i: int, rank: int = RANKS["normal"]) -> None:
-        await engine.generate(PROMPTS[0], max_tokens=8, temperature=1.0, lora=None, seed=i, ignore_eos=True,
+    async def request(tenant: str, what: str, i: int, rank: int = RANKS["normal"], tokens: int = 8) -> None:
+        await engine.generate(PROMPTS[0], max_tokens=tokens, temperature=1.0, lora=None, seed=i, ignore_eos=True,
                               tenant=tenant, rank=rank)
         finished.append(what)
 
-    first = asyncio.create_task(request("carol", "carol", 0))  # holds the one slot while the rest queue
+    # carol holds the one slot while the rest queue: 96 tokens, so that she still does 0.4 s on (a warm
+    # engine, the previous test's, does 8 tokens in less: alice's low requests then ran before her high ones came)
+    first = asyncio.create_task(request("carol", "carol", 0, tokens=96))
     await asyncio.sleep(0.3)
     low = [asyncio.create_task(request("alice", "low", i, RANKS["low"])) for i in range(4)]
     await asyncio.sleep(0.1)

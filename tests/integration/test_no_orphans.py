@@ -17,6 +17,8 @@ import pytest
 from marlaas.platform.config import load_config
 from marlaas.stack.launcher import Stack
 
+pytestmark = pytest.mark.own_stack("kills launchers and services to find orphaned processes")
+
 
 def engine_cores(parent_pgid: int) -> list[psutil.Process]:
     found = []
@@ -137,8 +139,6 @@ def test_a_killed_launcher_takes_its_children_with_it(tmp_path):
 HANGING_SERVICE = """
 import subprocess, threading
 from marlaas.platform.processes import exit_if_still_running_after
-
-pytestmark = pytest.mark.own_stack("kills launchers and services to find orphaned processes")
 child = subprocess.Popen(["sleep", "300"])  # in this process's group, like a vLLM engine core
 print(child.pid, flush=True)
 exit_if_still_running_after(1.0)  # what a service arms when told to stop
