@@ -43,8 +43,9 @@ test: setup
 
 # the inner loop, after each change (under 3 minutes): every unit test (no process, no model:
 # tests/unit/conftest.py refuses them) and the integration tests that start no engine or stack
+# (marked neither `stack` nor `own_stack`)
 test-fast: setup
-	$(BIN)/python -m pytest -q tests -m "not stack" -n 2 --dist loadfile --durations=10
+	$(BIN)/python -m pytest -q tests -m "not stack and not own_stack" -n 2 --dist loadfile --durations=10
 
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit
