@@ -57,6 +57,17 @@ async def tenants(bus, file_store, tmp_path):
         await client.aclose()
 
 
+def pax_bomb() -> bytes:
+    """CVE-2024-6232's upload: a first entry that is a PAX header of 160,000 digits (320 bytes gzip'd)."""
+    import gzip
+
+    info = tarfile.TarInfo("pax")
+    info.type, info.size = tarfile.XHDTYPE, 160_000
+    data = b"1" * 160_000
+    return gzip.compress(info.tobuf(tarfile.USTAR_FORMAT) + data + b"\0" * (-len(data) % tarfile.BLOCKSIZE)
+                         + b"\0" * 2 * tarfile.BLOCKSIZE)
+
+
 async def upload(client: httpx.AsyncClient, body: bytes, name: str = "warm") -> httpx.Response:
     return await client.post("/v1/adapters", params={"name": name}, content=body, headers=GZIP)
 
@@ -100,6 +111,17 @@ async def test_a_hostile_or_wrong_upload_gets_a_400_naming_the_problem(tenants, 
         (adapter_archive(json.dumps(wide).encode(), weights, 0.0), "r is 64, and this stack serves LoRA ranks 1..32"),
         (adapter_archive(config, b"\x80\x04 a pickle, never loaded", 0.0), "is not a safetensors file"),
         (adapter_archive(config, b"", 0.0), "is not a safetensors file"),
+        # issue 48: an initialization that would rewrite the shared base in the trainer (H2, H3),
+        # out-of-range or unsupported settings (L2), and a PAX header tarfile reads in quadratic time (H1)
+        (adapter_archive(json.dumps(json.loads(config) | {"init_lora_weights": "pissa"}).encode(), weights, 0.0),
+         "init_lora_weights is 'pissa'"),
+        (adapter_archive(json.dumps(json.loads(config) | {"init_lora_weights": "pissa_niter_1000000000"}).encode(),
+                         weights, 0.0), "init_lora_weights is 'pissa_niter_1000000000'"),
+        (adapter_archive(json.dumps(json.loads(config) | {"lora_alpha": 1e308}).encode(), weights, 0.0),
+         "lora_alpha is 1e+308"),
+        (adapter_archive(json.dumps(json.loads(config) | {"exclude_modules": ".*"}).encode(), weights, 0.0),
+         "exclude_modules is set"),
+        (pax_bomb(), "PAX extended header of 160000 bytes"),
     ]
     for body, says in cases:
         answer = await upload(alice, body)
