@@ -70,12 +70,12 @@ class DurationScheduling(LoadFileScheduling):
     """xdist's file scheduling with the units and picks above; the queue is in the collection's
     order, which tests/conftest.py sorts longest first (xdist's own reorder, most tests first, is off)."""
 
-    def _split_scope(self, nodeid: str) -> str:
-        return unit_of(nodeid)
-
     def __init__(self, config, log=None) -> None:
         super().__init__(config, log)
         config.option.loadscopereorder = False  # the collection is in order already (conftest.py)
+
+    def _split_scope(self, nodeid: str) -> str:
+        return unit_of(nodeid)
 
     def _assign_work_unit(self, node) -> None:
         tests = recorded()["tests"]
