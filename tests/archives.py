@@ -1,5 +1,6 @@
 """Hand-made tar.gz archives for the adapter-upload tests (hostile members included)."""
 
+import gzip
 import io
 import tarfile
 
@@ -17,3 +18,24 @@ def member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.
     info = tarfile.TarInfo(name)
     info.type, info.linkname = kind, link
     return info
+
+
+def header(name: str, kind: bytes, size: int) -> bytes:
+    """One 512-byte ustar header declaring ``size`` bytes of data (whatever actually follows)."""
+    info = tarfile.TarInfo(name)
+    info.type, info.size = kind, size
+    return info.tobuf(tarfile.USTAR_FORMAT)
+
+
+def padded(data: bytes) -> bytes:
+    return data + b"\0" * (-len(data) % tarfile.BLOCKSIZE)
+
+
+def gz(*parts: bytes) -> bytes:
+    """A .tar.gz of hand-made blocks, closed by the two end-of-archive blocks."""
+    return gzip.compress(b"".join(parts) + b"\0" * 2 * tarfile.BLOCKSIZE)
+
+
+def pax_bomb() -> bytes:
+    """CVE-2024-6232's upload: a first entry that is a PAX header of 160,000 digits (320 bytes gzip'd)."""
+    return gz(header("pax", tarfile.XHDTYPE, 160_000) + padded(b"1" * 160_000))

@@ -30,7 +30,7 @@ from marlaas.sdk.http import with_absolute_paths
 from services.gateway import adapters as gateway_adapters
 from services.gateway.app import Gateway, create_app
 from services.gateway.metrics import StackMetrics
-from tests.archives import member, tar_gz
+from tests.archives import member, pax_bomb, tar_gz
 
 pytestmark = pytest.mark.timeout(180)
 GZIP = {"Content-Type": "application/gzip"}
@@ -55,17 +55,6 @@ async def tenants(bus, file_store, tmp_path):
     yield clients
     for client in clients.values():
         await client.aclose()
-
-
-def pax_bomb() -> bytes:
-    """CVE-2024-6232's upload: a first entry that is a PAX header of 160,000 digits (320 bytes gzip'd)."""
-    import gzip
-
-    info = tarfile.TarInfo("pax")
-    info.type, info.size = tarfile.XHDTYPE, 160_000
-    data = b"1" * 160_000
-    return gzip.compress(info.tobuf(tarfile.USTAR_FORMAT) + data + b"\0" * (-len(data) % tarfile.BLOCKSIZE)
-                         + b"\0" * 2 * tarfile.BLOCKSIZE)
 
 
 async def upload(client: httpx.AsyncClient, body: bytes, name: str = "warm") -> httpx.Response:

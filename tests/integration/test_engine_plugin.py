@@ -35,21 +35,20 @@ def engine_config(tmp_path, kernels: str, **rollout):
 async def engines(tmp_path_factory):
     """``engines(kernels, **rollout)``: an engine of that config, the one already running when the
     previous test asked for the same (one runs at a time, as when each test started its own)."""
-    running: dict[tuple, tuple] = {}
+    running: dict[tuple, PolicyEngine] = {}
 
     def engine(kernels: str, **rollout) -> PolicyEngine:
         key = (kernels, *sorted(rollout.items()))
         if key not in running:
-            for other, _ in running.values():
+            for other in running.values():
                 other.shutdown()
             running.clear()
             config = engine_config(tmp_path_factory.mktemp("engine"), kernels, **rollout)
-            running[key] = (PolicyEngine(config), config)
-        return running[key][0]
+            running[key] = PolicyEngine(config)
+        return running[key]
 
-    engine.config_of = lambda one: next(config for e, config in running.values() if e is one)
     yield engine
-    for one, _ in running.values():
+    for one in running.values():
         one.shutdown()
 
 
@@ -84,7 +83,7 @@ async def test_the_engine_core_runs_the_kernels_configured(engines, tmp_path):
         engine.shutdown()
 
     engine = engines("fused")
-    config = engines.config_of(engine)
+    config = engine_config(tmp_path, "fused")  # the engine's settings (its home aside)
     assert await engine.check_lora_kernels("fused") == "fused"
     # every concurrent job's episodes fit in one engine step
     assert engine.engine.vllm_config.scheduler_config.max_num_seqs == config.rollout.max_num_seqs == 1024

@@ -4,7 +4,6 @@ long name of 104 MiB, sparse maps) are refused from their header, before tarfile
 
 from __future__ import annotations
 
-import gzip
 import io
 import tarfile
 import time
@@ -18,29 +17,13 @@ from marlaas.platform.adapter_uploads import AdapterRefused
 from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE, init_adapter
 from marlaas.platform.events import LoraSettings
 from marlaas.sdk.http import _adapter_files
-from tests.archives import member, tar_gz
+from tests.archives import gz, header, member, padded, pax_bomb, tar_gz
 
 
 @pytest.fixture(scope="module")
 def good() -> tuple[bytes, bytes]:
     """A rank-4 adapter on the built-in base, as PEFT would save it (built on the meta device)."""
     return init_adapter(builtin_model_dir(), LoraSettings(rank=4, target_modules=("q_proj", "v_proj")), seed=0)
-
-
-def header(name: str, kind: bytes, size: int) -> bytes:
-    """One 512-byte ustar header declaring ``size`` bytes of data (whatever actually follows)."""
-    info = tarfile.TarInfo(name)
-    info.type, info.size = kind, size
-    return info.tobuf(tarfile.USTAR_FORMAT)
-
-
-def padded(data: bytes) -> bytes:
-    return data + b"\0" * (-len(data) % tarfile.BLOCKSIZE)
-
-
-def gz(*parts: bytes) -> bytes:
-    """A .tar.gz of hand-made blocks, closed by the two end-of-archive blocks."""
-    return gzip.compress(b"".join(parts) + b"\0" * 2 * tarfile.BLOCKSIZE)
 
 
 def files(good: tuple[bytes, bytes]) -> bytes:
@@ -89,7 +72,7 @@ def test_archives_that_tar_writes_with_long_names_or_extended_attributes_read_ba
 
 def test_a_pax_header_of_160000_digits_is_refused_from_its_header():
     """CVE-2024-6232: tarfile's PAX regexes are quadratic in the header (46 s for this 320-byte upload)."""
-    body = gz(header("pax", tarfile.XHDTYPE, 160_000) + padded(b"1" * 160_000))
+    body = pax_bomb()
     assert len(body) < 1024
     refused(body, "the archive has a PAX extended header of 160000 bytes, and this stack reads up to 4096")
 
