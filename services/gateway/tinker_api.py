@@ -30,7 +30,6 @@ import msgspec
 import zstandard
 from litestar import Request, Response, Router, get, post
 from litestar.di import Provide
-from tinker.proto import tinker_public_pb2 as pb
 
 from marlaas.platform import api, limits, subjects
 from marlaas.platform import tinker_records as wire
@@ -277,6 +276,16 @@ async def get_info(request: Request, tenant: TenantRecord) -> dict:
                            "tokenizer_id": str(gateway.config.base_model_dir)}}
 
 
+@functools.cache
+def tinker_messages():
+    """The tinker SDK's protobuf messages, imported on the first ``forward_backward`` (in a thread:
+    ``tinker.proto`` runs the SDK's ``__init__``, which imports torch, 2 s of CPU a gateway start
+    would otherwise pay whether or not anyone uses Tinker)."""
+    from tinker.proto import tinker_public_pb2
+
+    return tinker_public_pb2
+
+
 @post("/forward_backward", status_code=200)
 async def forward_backward(request: Request, tenant: TenantRecord) -> dict:
     gateway, raw = gateway_of(request), await request.body()
@@ -287,7 +296,7 @@ async def forward_backward(request: Request, tenant: TenantRecord) -> dict:
         raise ApiError(415, f"Content-Encoding {encoding!r}: send the protobuf as is, or zstd-compressed")
     if encoding == "zstd":
         raw = await asyncio.to_thread(unzstd, raw, MAX_REQUEST_BYTES)
-    message = pb.ForwardBackwardRequest()
+    message = (await asyncio.to_thread(tinker_messages)).ForwardBackwardRequest()
     try:
         message.ParseFromString(raw)
     except Exception as exc:  # protobuf's DecodeError, or worse on hostile bytes

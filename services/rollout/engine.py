@@ -68,6 +68,9 @@ def cpu_engine_process(config: Config, args) -> Iterator[None]:
                 os.environ[key] = value
 
 
+ENGINE_STOP_S = 1.0  # how long the engine core may take to exit on SIGTERM before SIGKILL (shutdown)
+
+
 @dataclass(frozen=True)
 class TopLogprobs:
     """The k most likely tokens at each of T positions and their logprobs, most likely first."""
@@ -313,5 +316,9 @@ class PolicyEngine:
         return final
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Stop the engine core: vLLM SIGTERMs it and, after ``ENGINE_STOP_S``, SIGKILLs it. Its
+        requests are drained or aborted by then and it holds nothing to keep (the KV cache, the
+        loaded adapters), so waiting for its own interpreter to tear down (3 s, measured) buys
+        nothing."""
+        self.engine.shutdown(timeout=ENGINE_STOP_S)
         del self.engine  # let it go now, not in __del__ at interpreter exit (vLLM errors there)

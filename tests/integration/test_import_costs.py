@@ -26,3 +26,19 @@ def test_reading_the_tool_protocol_loads_no_bus():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_the_gateway_app_loads_no_torch_until_a_tinker_training_call():
+    """The gateway builds its app (every route, Tinker's included) without torch: ``tinker.proto``
+    runs the SDK's ``__init__`` (torch, 2 s a gateway start), so its messages load on the first
+    ``forward_backward`` only (``tinker_api.tinker_messages``)."""
+    probe = ("import sys; from marlaas.platform.config import load_config; "
+             "from services.gateway.app import create_app; import services.gateway.service; "
+             "from services.gateway.app import Gateway; from services.gateway.metrics import StackMetrics; "
+             "create_app(Gateway(None, None, load_config(env={}), StackMetrics())); "
+             "before = sorted({'torch', 'tinker', 'transformers'} & set(sys.modules)); "
+             "from services.gateway.tinker_api import tinker_messages; tinker_messages().ForwardBackwardRequest(); "
+             "print(before, 'tinker' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[] True", done.stdout

@@ -6,10 +6,13 @@ loop held past ``loop_block_warn_s``."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import asyncio
 import faulthandler
+import logging
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,3 +107,16 @@ def run_service(name: str, service: Callable[[], ServiceMain], argv: list[str] |
         asyncio.run(amain())
     finally:
         end_own_group()  # no child (a vLLM engine core) outlives the service
+    exit_without_finalizing()
+
+
+def exit_without_finalizing() -> None:
+    """End a service that stopped cleanly now: its work is drained, its broker connection closed
+    and its children gone, so what interpreter shutdown would still do (collect the garbage of
+    torch's and vLLM's modules: 1.5-2 s of CPU in rollout, measured) changes nothing. The logs
+    are flushed first. A service is always a process of its own (``python -m services.X``)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
