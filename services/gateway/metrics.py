@@ -4,8 +4,9 @@ Two sources. Job records give, at each scrape, jobs by state, the queue length a
 histograms of time to first step and time per step (one observation per job that has
 one). The METRICS stream's spans give busy time: each gateway follows it (from an hour
 back, so a restarted gateway is not blind) and adds up engine busy seconds (rollout's
-``utilization`` spans), trainer busy seconds (``train`` spans), seconds per phase, and
-the commit times behind steps per hour (commits in the last 10 minutes, times 6).
+``utilization`` spans), trainer busy seconds (``train`` spans), seconds per phase, the
+commit times behind steps per hour (commits in the last 10 minutes, times 6), and operator
+alerts (``alert`` spans: ``marlaas_alerts_total``, by alert).
 
 Usage (metering, ``marlaas.platform.usage``) is the one family with a ``tenant`` label: each
 scrape sums the ``usage`` bucket's records by tenant (``marlaas_usage_<counter>_total``), so the
@@ -28,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from marlaas.platform import subjects
 from marlaas.platform.bus import Bus
 from marlaas.platform.events import METRIC, EventDecodeError, JobRecord, JobState, Span
-from marlaas.platform.telemetry import UTILIZATION_JOB
+from marlaas.platform.telemetry import ALERTS, UTILIZATION_JOB
 from marlaas.platform.usage import COUNTER_FIELDS, UsageRecord, summarize
 
 log = structlog.get_logger("gateway")
@@ -100,12 +101,21 @@ class StackMetrics:
                                      "jobs (phases of different jobs overlap)", ["phase"], registry=self.registry)
         self.steps_per_hour = Gauge("marlaas_steps_per_hour", "Committed training steps per hour, over "
                                     "the last 10 minutes", registry=self.registry)
+        self.alerts = Counter("marlaas_alerts", "Operator alerts raised by the services (an engine-vs-trainer "
+                              "logprob gap past its bound, a changed base model), by alert", ["alert"],
+                              registry=self.registry)
+        for alert in ALERTS:  # each alert's series exists from the start, at 0
+            self.alerts.labels(alert)
         self.commits: collections.deque[float] = collections.deque()
 
     def observe(self, span: Span) -> None:
         """Add one span to the counters."""
         if span.job == UTILIZATION_JOB:
             self.engine_busy.inc(float(span.attrs.get("engine_busy_s", 0.0) or 0.0))
+            return
+        if span.phase == "alert":  # a service's own span: still, only the alerts it may raise are labels
+            alert = span.attrs.get("alert")
+            self.alerts.labels(alert if alert in ALERTS else "other").inc()
             return
         seconds = max(span.end - span.start, 0.0)
         self.phase_seconds.labels(span.phase).inc(seconds)

@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM
 
 from marlaas.platform.adapters import CONFIG_FILE, trained_lora_config
 from marlaas.platform.events import GrpoSettings, Sample, TrajectoryBatch
+from services.trainer.base_weights import base_digest
 from services.trainer.fused_lora import fuse_lora_layers
 from services.trainer.grpo import (
     GrpoLoss,
@@ -162,23 +163,44 @@ class PolicyTrainer:
     def __init__(self, base_model_dir: Path, device: str = "cpu", hot_adapters: int = 256,
                  micro_batch_tokens: int = 2048, hot_memory_bytes: int = 4 << 30) -> None:
         self.device = pick_device(device)
-        base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32)
-        base.to(self.device)
-        base.requires_grad_(False)
-        self.base = base
+        self.base_model_dir = base_model_dir
         self.micro_batch_tokens = micro_batch_tokens
-        self.split_head = head_split_matches(base)  # False: score from full logits (still per micro-batch)
-        self.model: PeftModel | None = None
-        self.hot: OrderedDict[str, HotJob] = OrderedDict()
         self.max_hot = hot_adapters
         self.hot_memory_bytes = hot_memory_bytes
         self._slots = itertools.count()
+        # held by whoever uses the model: GRPO steps and Tinker requests run in threads of their own
+        self.lock = threading.RLock()
+        self._load_base()
+
+    def _load_base(self) -> None:
+        """The base from disk, frozen, with no job hot; its digest as loaded (``base_weights``)."""
+        base = AutoModelForCausalLM.from_pretrained(self.base_model_dir, dtype=torch.float32)
+        base.to(self.device)
+        base.requires_grad_(False)
+        self.base = base
+        self.base_digest = base_digest(base)
+        self.split_head = head_split_matches(base)  # False: score from full logits (still per micro-batch)
+        self.model: PeftModel | None = None
+        self.hot: OrderedDict[str, HotJob] = OrderedDict()
         self._parked: list[str] = []
         self._tuner_layers: list[BaseTunerLayer] = []  # the LoRA layers (the same objects for every adapter)
         self._active: str | None = None  # the adapter set active by _activate (None: unknown)
-        # held by whoever uses the model: GRPO steps and Tinker requests run in threads of their own
-        self.lock = threading.RLock()
         self.pinned: set[str] = set()  # hot jobs never evicted to make room (Tinker models holding gradients)
+
+    # --- the shared base ---------------------------------------------------------------------
+
+    def base_changed(self) -> bool:
+        """Whether the base's weights differ from what was loaded (no job may change them)."""
+        with self.lock:
+            return base_digest(self.base) != self.base_digest
+
+    def reload_base(self) -> list[str]:
+        """Load the base again from disk, dropping every hot job (each is loaded again from its
+        committed version when next used); returns the jobs dropped. For a base found changed."""
+        with self.lock:
+            dropped = list(self.hot)
+            self._load_base()
+            return dropped
 
     # --- residency ---------------------------------------------------------------------------
 

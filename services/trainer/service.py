@@ -52,6 +52,7 @@ from marlaas.platform.store import ObjectStore
 from marlaas.platform.telemetry import record_span, span
 from marlaas.platform.tenant_turns import TenantQueues
 from marlaas.platform.usage import UsageCounters, report_usage, tenant_of
+from services.trainer.base_guard import BaseGuard
 from services.trainer.batch_plan import (
     BatchAction,
     GroupAction,
@@ -62,6 +63,7 @@ from services.trainer.batch_plan import (
     plan_group,
     staleness_problem,
 )
+from services.trainer.gap_watch import GapWatch, gap_bound
 from services.trainer.policy import NonFiniteUpdate, PolicyTrainer, StepResult, torch_threads
 from services.trainer.tinker_training import run_tinker
 
@@ -106,9 +108,13 @@ MAX_DELIVER = 20
 class Trainer:
     """Applies GRPO updates for whichever job's batch is taken next."""
 
-    def __init__(self, bus: Bus, store: ObjectStore, policy: PolicyTrainer, fault_crash_p: float = 0.0) -> None:
+    def __init__(self, bus: Bus, store: ObjectStore, policy: PolicyTrainer, fault_crash_p: float = 0.0,
+                 gaps: GapWatch | None = None) -> None:
         self.bus, self.store, self.policy = bus, store, policy
         self.fault_crash_p = fault_crash_p
+        # the base's digest after each job's first step, and the logprob gap acted on (gaps None: not
+        # acted on, for tests that play rollout with made-up engine logprobs)
+        self.guard = BaseGuard(bus, policy, gaps)
         self.finished: set[str] = set()  # jobs to drop from memory before the next step
         self.pending: dict[str, PendingBatch] = {}  # pipelined batches in progress, by job
         self.ended: set[str] = set()  # finished jobs whose batch in progress is still to be released
@@ -284,7 +290,7 @@ class Trainer:
         sampled = next((v for v in sorted(pending.sampled_versions) if v != pending.version), pending.version)
         stepped, began = time.time(), time.monotonic()
         try:
-            adapter_version, result = await asyncio.to_thread(self._step, job, spec)
+            adapter_version, result, changed_base = await asyncio.to_thread(self._step, job, spec)
         except NonFiniteUpdate as exc:
             self.policy.evict(job)
             await self._fail(job, pending.version, f"non-finite update, not committed: {exc}")
@@ -311,14 +317,18 @@ class Trainer:
         log.info("trained", job=job, version=pending.version, batch_id=event.batch_id, groups=len(deliveries),
                  reward=round(result.metrics.get("reward/mean", float("nan")), 4),
                  loss=round(result.metrics["loss"], 4))
+        if not await self.guard.after_step(job, pending.version, sampled == pending.version, result.metrics,
+                                           changed_base, deliveries):
+            return
         await self._commit(deliveries, job, pending.version, snapshot, result, event.batch_id, pending.attempt,
                            [e.batch_ref for e in pending.events if e.batch_ref is not None])
 
-    def _step(self, job: str, spec: JobSpec) -> tuple[int, StepResult]:
+    def _step(self, job: str, spec: JobSpec) -> tuple[int, StepResult, bool]:
         with self.policy.lock:
             self.policy.pinned.discard(job)
             trained_from = self.policy.hot_version(job)
-            return trained_from, self.policy.step(job, spec.grpo)
+            result = self.policy.step(job, spec.grpo)
+            return trained_from, result, self.guard.first_step_changed_base(job)
 
     async def _train_and_commit(self, delivery: Delivery, event: TrajectoryReady, snapshot: JobSnapshot) -> None:
         """Train the batch on the committed version, commit v+1 by compare-and-set against the
@@ -343,7 +353,8 @@ class Trainer:
             async with delivery.keep_alive():
                 began = time.monotonic()
                 try:
-                    adapter_version, result = await asyncio.to_thread(self._train, committed, batch, spec)
+                    adapter_version, result, changed_base = await asyncio.to_thread(self._train, committed, batch,
+                                                                                    spec)
                 except NonFiniteUpdate as exc:
                     self.policy.evict(job)
                     await self._fail(job, version, f"non-finite update, not committed: {exc}")
@@ -358,7 +369,9 @@ class Trainer:
         log.info("trained", job=job, version=version, batch_id=event.batch_id,
                  reward=round(result.metrics.get("reward/mean", float("nan")), 4),
                  loss=round(result.metrics["loss"], 4))
-
+        if not await self.guard.after_step(job, version, batch.policy_version == version, result.metrics,
+                                           changed_base, [delivery]):
+            return
         await self._commit([delivery], job, version, snapshot, result, event.batch_id, attempt,
                            [event.batch_ref] if event.batch_ref is not None else [])
 
@@ -396,19 +409,21 @@ class Trainer:
             await asyncio.to_thread(self.store.delete, self.store.key_of(blob.uri))
 
     def _train(self, committed: CommittedVersion, batch: TrajectoryBatch,
-               spec: JobSpec) -> tuple[int, StepResult]:
+               spec: JobSpec) -> tuple[int, StepResult, bool]:
         """Load the job if it is cold (or at another version), then one GRPO step; return the
-        version of the in-memory adapter the step started from, and the step's result."""
+        version of the in-memory adapter the step started from, the step's result, and whether
+        it was the job's first step here and the base changed (``BaseGuard``)."""
         self._drop_finished()
         with self.policy.lock:  # a Tinker request (another thread) must not evict the job in between
             if self.policy.hot_version(committed.job) != committed.version:
                 self._load(committed, spec)
             trained_from = self.policy.hot_version(committed.job)
             result = self.policy.train_step(committed.job, batch, spec.grpo)
+            changed_base = self.guard.first_step_changed_base(committed.job)
         result.metrics.update(batch.metrics)  # rollout's figures (tool calls, turns) ride with the version
         if batch.policy_version >= 0:  # how far behind the trained version its sampler was
             result.metrics["staleness"] = float(committed.version - batch.policy_version)
-        return trained_from, result
+        return trained_from, result, changed_base
 
     def _drop_finished(self) -> None:
         """Evict finished jobs from memory (in the training thread: never under a step)."""
@@ -465,7 +480,8 @@ async def run(rt: Runtime) -> None:
         PolicyTrainer, cfg.base_model_dir, cfg.trainer.device, cfg.trainer.hot_adapters,
         cfg.trainer.micro_batch_tokens, int(cfg.trainer.hot_memory_gib * (1 << 30)),
     )
-    trainer = Trainer(rt.bus, rt.store, policy, cfg.trainer.fault_crash_p)
+    trainer = Trainer(rt.bus, rt.store, policy, cfg.trainer.fault_crash_p,
+                      GapWatch(gap_bound(cfg.trainer.max_logprob_gap, cfg.rollout.dtype)))
     await rt.bus.nc.subscribe(subjects.job_state(), cb=trainer.on_job_state)
     await trainer.reannounce_committed()
     rt.ready()
@@ -473,6 +489,7 @@ async def run(rt: Runtime) -> None:
     await asyncio.gather(
         take_batches(rt, trainer),
         trainer.hold_alive(rt.stop),
+        trainer.guard.watch(rt.stop, cfg.trainer.base_check_every_s),
         run_tinker(rt, policy),  # Tinker clients' requests, on the same policy (services/trainer/tinker_training.py)
     )
 

@@ -195,8 +195,10 @@ class TinkerTrainer:
                 return await delivery.nak(0.05 if live.holder in ("", self.replica) else NOT_MINE_S)
             if why:
                 log.warning("tinker request done out of turn", model=model.id, seq_id=request.seq_id, why=why)
-            if why or live.holder and live.holder != self.replica:  # a request skipped, or the holder gone:
-                # the gradients since the last step may miss some, and the next step fails saying so
+            # the gradients held here are gone too when the base was reloaded (BaseGuard) since
+            lost_here = live.holder == self.replica and job_name(model.id) not in self.policy.pinned
+            if why or live.holder and live.holder != self.replica or lost_here:  # a request skipped, or the
+                # holder gone: the gradients since the last step may miss some, and the next step fails saying so
                 live = msgspec.structs.replace(live, holder="", lost_from=live.lost_from or live.pending_from
                                                or (live.last_seq + 1 if request.seq_id > live.last_seq + 1 else 0))
             try:  # the model is this replica's until the request is recorded: no other takes one meanwhile

@@ -1,6 +1,7 @@
 """The trainer's model with real torch + peft on the built-in base: v0 init, GRPO steps, resume,
 micro-batching against a whole-batch reference, tempered scoring, non-finite updates."""
 
+import json
 import math
 
 import msgspec
@@ -491,3 +492,54 @@ def test_the_trainer_leaves_the_engine_a_core_only_when_it_trains_beside_it(monk
     assert torch_threads(0, "cuda", beside_engine=True) == 0  # torch's own default off the CPU
     monkeypatch.setattr(policy.os, "cpu_count", lambda: 1)
     assert torch_threads(0, "cpu", beside_engine=True) == 1
+
+
+# --- the shared base: no job changes it (issue 48, item 1) -----------------------------------
+
+
+def test_the_base_digest_is_the_same_with_adapters_attached_trained_and_dropped(base_dir, v0):
+    """The digest covers the base's own tensors: attaching a job's LoRA (peft wraps the layers),
+    stepping it and evicting it leave it as taken at load."""
+    trainer = PolicyTrainer(base_dir)
+    loaded = trainer.base_digest
+    trainer.load("acme.a", 0, *v0, None, SETTINGS)
+    trainer.load("acme.b", 0, *v0, None, SETTINGS)
+    trainer.train_step("acme.a", batch([1.0, 0.0]), SETTINGS)
+    assert not trainer.base_changed() and trainer.base_digest == loaded
+    trainer.evict("acme.a")
+    assert not trainer.base_changed()
+    assert PolicyTrainer(base_dir).base_digest == loaded  # the same weights from disk: the same digest
+
+
+def test_an_adapter_asking_for_pissa_init_changes_neither_the_base_nor_another_jobs_logprobs(base_dir, v0):
+    """Issue 48 H2: an adapter config with ``init_lora_weights = "pissa"`` once made peft rewrite
+    the shared base in the trainer, and every tenant trained off-policy. Its config is reduced to
+    its shape: loading and training it leaves the base's digest and alice's logprobs as they were."""
+    trainer = PolicyTrainer(base_dir)
+    trainer.load("alice.job", 0, *v0, None, SETTINGS)
+    probe = batch([1.0]).samples[0]
+    before = sequence_logprob(trainer, "alice.job", probe)
+    config_json, weights = v0
+    for init in ("pissa", "olora", "pissa_niter_4"):
+        hostile = json.dumps(json.loads(config_json) | {"init_lora_weights": init}).encode()
+        trainer.load(f"mallory.{init}", 0, hostile, weights, None, SETTINGS)
+        trainer.train_step(f"mallory.{init}", batch([1.0, 0.0]), SETTINGS)
+    assert not trainer.base_changed()
+    assert sequence_logprob(trainer, "alice.job", probe) == before
+
+
+def test_a_base_changed_in_place_is_seen_and_reloaded_as_it_was(base_dir, v0):
+    """Whatever changed the base (the check does not depend on how), the digest sees it, and a
+    reload gives the base as on disk again: every hot job dropped, to be loaded from the store."""
+    trainer = PolicyTrainer(base_dir)
+    trainer.load("alice.job", 0, *v0, None, SETTINGS)
+    probe = batch([1.0]).samples[0]
+    before = sequence_logprob(trainer, "alice.job", probe)
+    with torch.no_grad():
+        next(p for n, p in trainer.base.named_parameters() if "base_layer" in n).add_(0.05)
+    assert trainer.base_changed()
+    assert sequence_logprob(trainer, "alice.job", probe) != before
+    assert trainer.reload_base() == ["alice.job"]
+    assert not trainer.base_changed() and trainer.hot_version("alice.job") is None
+    trainer.load("alice.job", 0, *v0, None, SETTINGS)
+    assert sequence_logprob(trainer, "alice.job", probe) == before

@@ -55,6 +55,7 @@ from marlaas.platform.store import FileStore
 from marlaas.platform.telemetry import read_spans
 from services.manager.service import Manager
 from services.rollout.service import INLINE_BATCH_LIMIT, publish_batch
+from services.trainer.gap_watch import FP32_GAP, GapWatch
 from services.trainer.policy import PolicyTrainer
 from services.trainer.service import Trainer
 
@@ -70,9 +71,9 @@ TERMINATED = "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.TRAJ.trainer"
 
 
 async def running_job(bus: Bus, store: FileStore, name: str, *, seed: int = 3, grpo: GrpoSettings = GRPO,
-                      state: JobState = JobState.RUNNING) -> JobSpec:
+                      state: JobState = JobState.RUNNING, tenant: str = "acme") -> JobSpec:
     """A job as the manager leaves it on admission: its record, and version 0 committed."""
-    spec = JobSpec(id=f"acme.{name}", tenant="acme", name=name, task="addition", steps=10, seed=seed,
+    spec = JobSpec(id=f"{tenant}.{name}", tenant=tenant, name=name, task="addition", steps=10, seed=seed,
                    grpo=grpo, lora=LORA, submitted_at=time.time())
     await bus.kv_create(JOBS_BUCKET, spec.id, encode(JobRecord(spec=spec, state=state, version=0)))
     config_json, weights = await asyncio.to_thread(init_adapter, BASE, LORA, seed)
@@ -802,3 +803,112 @@ async def test_a_tenant_paused_half_way_through_a_batch_holds_nothing_and_its_ve
                    if s.phase == "accumulate" and s.attrs["attempt"] == train.attrs["attempt"])
     assert added == [0, 1]
     assert sorted(s.attrs["group"] for s in spans if s.phase == "accumulate") == [0, 0, 1]
+
+
+# --- the base guard: the logprob gap acted on, the shared base kept as loaded (issue 48) ------
+
+
+def engine_like(policy: PolicyTrainer, start: tuple[bytes, bytes], job: str,
+                unsampled: TrajectoryBatch) -> TrajectoryBatch:
+    """``unsampled`` with each completion token's logprob as an engine holding ``start`` gives it
+    (the trainer's own scoring on a base as loaded: the gap is float noise)."""
+    policy.load(job, 0, *start, None, GRPO)
+    samples = []
+    for sample in unsampled.samples:
+        tokens = torch.tensor(sample.prompt_ids + sample.completion_ids)
+        with torch.no_grad():
+            (logprobs_T,) = policy.target_logprobs(job, [(tokens[:-1], tokens[1:])])
+        samples.append(msgspec.structs.replace(sample, logprobs=logprobs_T[-len(sample.completion_ids):].tolist()))
+    policy.evict(job)
+    return msgspec.structs.replace(unsampled, samples=samples)
+
+
+async def alerts(bus: Bus, job: str = ">") -> list[dict]:
+    return [s.attrs for s in await read_spans(bus, job) if s.phase == "alert"]
+
+
+async def test_a_batch_the_engine_and_trainer_agree_on_is_trained_with_the_gap_acted_on(bus, file_store, deliveries):
+    spec = await running_job(bus, file_store, "agreed")
+    policy = PolicyTrainer(BASE)
+    trainer = Trainer(bus, file_store, policy, gaps=GapWatch(FP32_GAP))
+    v0 = read_adapter(file_store, (await committed(bus, spec.id)).adapter)
+    await publish_batch(bus, file_store, spec.id, 0, engine_like(policy, v0, spec.id, batch_of(0)))
+    delivery = await deliveries.next()
+    await trainer.handle(delivery)
+    assert (delivery.outcome, (await committed(bus, spec.id)).version) == ("ack", 1)
+    assert await alerts(bus) == [] and await failures(bus, spec.id) == []
+
+
+async def test_a_batch_past_the_logprob_gap_bound_fails_its_job_with_an_alert(bus, file_store, deliveries):
+    """An engine that served other weights than the trainer holds (here: made-up logprobs, -1 a
+    token): the batch is never trained, the job fails saying why, and operators get an alert."""
+    spec = await running_job(bus, file_store, "apart")
+    trainer = Trainer(bus, file_store, PolicyTrainer(BASE), gaps=GapWatch(FP32_GAP))
+    await publish_batch(bus, file_store, spec.id, 0, batch_of(0))
+    delivery = await deliveries.next()
+    await trainer.handle(delivery)
+    assert (delivery.outcome, (await committed(bus, spec.id)).version) == ("term", 0)
+    (reason,) = await failures(bus, spec.id)
+    assert reason.startswith("engine-vs-trainer logprob gap ") and f"> {FP32_GAP:.3g}" in reason
+    (alert,) = await alerts(bus, spec.id)
+    assert (alert["alert"], alert["verdict"], alert["base"]) == ("logprob_gap", "fail_job", "as loaded")
+    assert trainer.policy.hot_version(spec.id) is None  # the stepped adapter was never committed: dropped
+
+
+async def test_gaps_of_two_tenants_at_once_reload_the_base_and_put_the_batch_back(bus, file_store, deliveries):
+    """A platform fault, not each job's: the second tenant's batch past the bound in the window
+    reloads the base (every hot job dropped) and is delivered again, not failed."""
+    alice = await running_job(bus, file_store, "one", tenant="alice")
+    bob = await running_job(bus, file_store, "two", tenant="bob")
+    policy = PolicyTrainer(BASE)
+    trainer = Trainer(bus, file_store, policy, gaps=GapWatch(FP32_GAP))
+    await publish_batch(bus, file_store, alice.id, 0, batch_of(0))
+    await publish_batch(bus, file_store, bob.id, 0, batch_of(0))
+    first, second = await deliveries.next(), await deliveries.next()
+    await trainer.handle(first)
+    digest = policy.base_digest
+    await trainer.handle(second)
+    assert (first.outcome, second.outcome) == ("term", "nak")
+    assert await failures(bus, alice.id) != [] and await failures(bus, bob.id) == []
+    assert [a["verdict"] for a in await alerts(bus)] == ["fail_job", "reload_base"]
+    assert policy.hot == {} and policy.base_digest == digest  # reloaded from disk: the same base
+
+
+async def test_a_base_changed_by_a_jobs_first_step_fails_that_job_and_is_reloaded(bus, file_store, deliveries):
+    """However a job changes the shared base (peft rewrote it for an adapter asking for PiSSA:
+    issue 48 H2), the digest after its first step sees it: the job fails, the base is reloaded
+    from disk, and operators get an alert."""
+    spec = await running_job(bus, file_store, "rewrites")
+    policy = PolicyTrainer(BASE)
+    trainer = Trainer(bus, file_store, policy)
+    step = policy.train_step
+
+    def rewriting_step(*args):
+        result = step(*args)
+        with torch.no_grad():
+            next(p for n, p in policy.base.named_parameters() if "base_layer" in n).mul_(1.5)
+        return result
+
+    policy.train_step = rewriting_step
+    await publish_batch(bus, file_store, spec.id, 0, batch_of(0))
+    delivery = await deliveries.next()
+    await trainer.handle(delivery)
+    assert (delivery.outcome, (await committed(bus, spec.id)).version) == ("term", 0)
+    (reason,) = await failures(bus, spec.id)
+    assert "base model's weights changed during this job's first step" in reason
+    assert [(a["alert"], a["found_by"]) for a in await alerts(bus, spec.id)] == [("base_changed", "first step")]
+    assert not policy.base_changed() and policy.hot == {}
+
+
+async def test_the_scheduled_check_reloads_a_base_changed_under_no_job(bus, file_store):
+    policy = PolicyTrainer(BASE)
+    trainer = Trainer(bus, file_store, policy)
+    with torch.no_grad():
+        next(iter(policy.base.parameters())).add_(1.0)
+    stop = asyncio.Event()
+    watching = asyncio.create_task(trainer.guard.watch(stop, every_s=0.1))
+    await wait_for(lambda: asyncio.to_thread(lambda: not policy.base_changed()), what="the base reloaded")
+    stop.set()
+    await asyncio.wait_for(watching, 10)
+    (alert,) = await alerts(bus)
+    assert (alert["alert"], alert["found_by"]) == ("base_changed", "schedule")

@@ -112,6 +112,14 @@ class TrainerConfig(Section):
     # trainer time for its weight first; marlaas.platform.tenant_turns), and a paused tenant's are
     # left queued; false: one first-come-first-served queue for every tenant (the FIFO baseline)
     fair_share: bool = True
+    # a batch sampled by the version it trains whose engine-vs-trainer logprob gap (mean |log p|
+    # difference a token) is past this is not trained: its job fails, or on a platform fault the
+    # base is reloaded (services/trainer/gap_watch.py); 0 = by rollout.dtype (1e-3 float32, 0.1
+    # half precision), inf = never acted on
+    max_logprob_gap: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    # the shared base's weights compared with their digest at load this often (and after each
+    # job's first step); a changed base is reloaded and an operator alert raised (0 = no schedule)
+    base_check_every_s: Annotated[float, msgspec.Meta(ge=0)] = 600.0
 
 
 class ManagerConfig(Section):

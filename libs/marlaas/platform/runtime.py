@@ -6,8 +6,8 @@ loop held past ``loop_block_warn_s``."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import asyncio
+import contextlib
 import faulthandler
 import logging
 import os

@@ -21,6 +21,8 @@ log = structlog.get_logger("marlaas.platform.telemetry")
 
 
 UTILIZATION_JOB = "_rollout"  # rollout's engine / tool utilization spans are filed under this name
+PLATFORM_JOB = "_platform"  # operator alerts no one job raised (a scheduled check) are filed under this name
+ALERTS = ("logprob_gap", "base_changed")  # the operator alerts (spans of phase "alert"; gateway /metrics)
 
 
 @contextlib.asynccontextmanager
@@ -41,6 +43,15 @@ async def record_span(bus: Bus, service: str, phase: str, job: str, version: int
         await bus.publish(subjects.span(job), encode(record))
     except Exception as exc:  # telemetry never fails the work it measures
         log.warning("span not recorded", job=job, phase=phase, error=repr(exc))
+
+
+async def raise_alert(bus: Bus, service: str, alert: str, job: str = PLATFORM_JOB, version: int = -1,
+                      **attrs) -> None:
+    """An operator alert (one of ``ALERTS``): a span of phase ``alert`` on the METRICS stream, which
+    the gateway counts (``marlaas_alerts_total``) and the log names as an error."""
+    now = time.time()
+    log.error("operator alert", alert=alert, job=job, version=version, **attrs)
+    await record_span(bus, service, "alert", job, version, now, now, alert=alert, **attrs)
 
 
 async def read_spans(bus: Bus, job: str = ">") -> list[Span]:
