@@ -96,7 +96,6 @@ CALCULATOR = {"type": "function", "function": {
         "description": 'numbers with + - * / // % ** and parentheses, e.g. "(3 + 4) * 2**10".', "type": "string"}},
         "required": ["expression"], "additionalProperties": False},
 }}
-SPLITS = ("train", "heldout")
 
 
 def split_of(word: str) -> str:

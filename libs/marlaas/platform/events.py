@@ -37,7 +37,6 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
 # what becomes of an episode that ends before the model answered (length, max_tool_calls, context_full)
 TRUNCATED_MODES = ("train", "zero", "drop")
 PIPELINE_MODES = ("groups", "batch")
-OBJECTIVES = ("grpo", "sft")
 
 
 class GrpoSettings(Wire):

@@ -148,12 +148,6 @@ class Pinned(msgspec.Struct, kw_only=True, frozen=True):
     pinned: list[int] = []
 
 
-class ErrorBody(msgspec.Struct, kw_only=True, frozen=True):
-    """Every error answer: what was wrong and how to fix it."""
-
-    error: str
-
-
 PATH_FIELDS = ("dataset", "corpus", "eval_dataset")  # a job's data: local files, uploaded at submit
 
 

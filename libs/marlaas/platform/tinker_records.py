@@ -26,7 +26,6 @@ from marlaas.platform.events import Blob
 from marlaas.platform.limits import cut
 
 INLINE_RESULT_BYTES = 512 * 1024  # a future's body above this goes to the object store
-SDK_VERSION = "0.38.0"  # the tinker SDK the API is written and tested against
 MAX_SAMPLES = 64  # num_samples of one asample
 LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro",
           "stable_reinforce", "gspo")  # served (services/trainer/tinker_losses.py)

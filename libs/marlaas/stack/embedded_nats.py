@@ -298,10 +298,6 @@ class EmbeddedNatsCluster:
         """SIGKILL node ``index`` (a crash: what it had not fsynced is gone)."""
         self.nodes[index].stop(kill=True)
 
-    def stop_node(self, index: int) -> None:
-        """SIGTERM node ``index``: a leader hands its streams over before it exits."""
-        self.nodes[index].stop()
-
     def stop(self, kill: bool = False) -> None:
         for node in reversed(self.nodes):
             node.stop(kill=kill)
