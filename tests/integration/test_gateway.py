@@ -28,7 +28,7 @@ from marlaas.platform.store import open_store
 from marlaas.platform.telemetry import read_spans
 from marlaas.platform.tenants import add_tenant, revoke_tenant
 from marlaas.sdk import BadRequest, Client, NotFound, QuotaExceeded, Unauthorized
-from marlaas.stack.launcher import SERVICES, Stack
+from marlaas.stack.launcher import Stack
 
 pytestmark = [pytest.mark.stack,  # starts a vLLM engine: not in `make test-fast`
               pytest.mark.own_stack("manager.kv_budget_gib = 4 MiB, so that a second job queues")]
@@ -54,8 +54,7 @@ def stack(tmp_path_factory):
     # a 4 MiB KV budget fits one `repeat` job at a time (~3.1 MiB), so a second one queues
     config = load_config(overrides={"home": str(tmp_path_factory.mktemp("gateway-home")), "gateway.port": 0,
                                     "manager.kv_budget_gib": 4 / 1024}, env={})
-    services = SERVICES if "gateway" in SERVICES else (*SERVICES, "gateway")
-    with Stack(config, services=services) as running:
+    with Stack(config) as running:
         yield running
 
 

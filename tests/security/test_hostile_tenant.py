@@ -36,7 +36,7 @@ from marlaas.platform.events import JOB_RECORD, METRIC, ToolCall, ToolSpec, enco
 from marlaas.platform.tenants import TenantError
 from marlaas.sdk import BadRequest, Client
 from marlaas.stack import broker_auth
-from marlaas.stack.launcher import SERVICES, Stack
+from marlaas.stack.launcher import Stack
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(300),
               pytest.mark.own_stack("short reward and give-up timeouts, and a session keyring the services inherit")]
@@ -68,9 +68,8 @@ def stack(tmp_path_factory):
     config = load_config(overrides={
         "home": str(tmp_path_factory.mktemp("hostile-home")), "gateway.port": 0,
         "rollout.reward_timeout_s": 2.0, "rollout.give_up_s": GIVE_UP_S}, env={})
-    services = SERVICES if "gateway" in SERVICES else (*SERVICES, "gateway")
     join_a_session_keyring()  # the services inherit it, as under a container runtime or systemd
-    with Stack(config, services=services) as running:
+    with Stack(config) as running:
         yield running
 
 
