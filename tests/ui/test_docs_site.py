@@ -1,6 +1,7 @@
 """The docs site, built once for the module (`mkdocs build --strict`: broken links, pages missing
 from the nav and unknown references fail it): the generated references are in it, and the
-architecture page shows its diagram as a picture (issue 36), drawn at the build, with nothing
+architecture page shows its diagram as a picture (issues 36 and 49: the committed
+docs/architecture.svg, which tests/unit/test_draw_architecture.py ties to its source), with nothing
 fetched from another host, also in a real browser (headless Chromium)."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-NODE_FILL = (0xEE, 0xF3, 0xFB)  # docs/architecture.md: the services' boxes
+NODE_FILL = (0xEE, 0xF3, 0xFB)  # docs/architecture.dot: the services' boxes
 QUEUE_FILL = (0xEE, 0xF7, 0xE8)  # ... and the streams'
 
 pytestmark = pytest.mark.timeout(240)
@@ -48,13 +49,11 @@ def test_the_architecture_page_shows_a_drawn_diagram(browser, site, tmp_path):
     from selenium.webdriver.common.by import By
 
     browser.get((site / "architecture" / "index.html").as_uri())
-    diagram = browser.find_element(By.CSS_SELECTOR, "div.diagram svg")
-    size = diagram.size
+    picture = browser.find_element(By.CSS_SELECTOR, "img[src$='architecture.svg']")
+    assert browser.execute_script("return arguments[0].complete && arguments[0].naturalWidth", picture) > 0
+    size = picture.size
     assert size["width"] > 400 and size["height"] > 150, size  # laid out as a picture, not collapsed
-    labels = browser.execute_script(
-        "return [...document.querySelectorAll('div.diagram svg text')].map((t) => t.textContent)")
-    assert {"gateway", "manager", "POLICY", "NATS JetStream"} <= set(labels), labels
-    png = diagram.screenshot_as_png
+    png = picture.screenshot_as_png
     (tmp_path / "architecture.png").write_bytes(png)
     assert pixels_near(png, NODE_FILL) > 2_000 and pixels_near(png, QUEUE_FILL) > 2_000  # boxes filled in
 
@@ -73,14 +72,13 @@ def test_the_site_builds_strictly_with_the_generated_references(built):
     assert "serve_async(" in tools_page and "The contract" in tools_page  # the reward's, from its docstring
 
 
-def test_the_architecture_diagram_is_drawn_to_svg_at_the_build(site):
-    """Issue 36: the diagram is a picture in the built site (SVG drawn by Graphviz at the build,
-    nothing fetched from another host), not diagram source shown as code."""
+def test_the_architecture_page_shows_the_committed_svg(site):
+    """Issues 36 and 49: the diagram is a picture in the built site (the committed SVG, served beside
+    the page, nothing fetched from another host), not diagram source shown as code."""
     page = (site / "architecture" / "index.html").read_text()
-    start = page.index('<div class="diagram"')
-    svg = page[start:page.index("</svg>", start)]
-    assert "<svg" in svg and "<g id=\"graph0\"" in svg
-    for node in ("gateway", "manager", "rollout", "trainer", "env", "sandbox", "POLICY", "TRAJ work queue"):
-        assert f">{node}" in svg, node  # each drawn as a text label of the picture
-    assert "digraph" not in page and "flowchart" not in page and "```" not in page
+    assert 'src="../architecture.svg"' in page
+    assert "digraph" not in page and "```" not in page
+    svg = (site / "architecture.svg").read_text()
+    assert svg == (ROOT / "docs" / "architecture.svg").read_text()
     assert "<script" not in svg and "http://" not in svg.replace("http://www.w3.org/", "")
+    assert not (site / "architecture.dot").exists()  # the source stays in the repository
