@@ -7,10 +7,6 @@ drift. A page asks for one with a marker line:
     <!-- reference: sdk -->      marlaas.Client's methods, from their signatures and docstrings
     <!-- reference: tools -->    what a tool file uses: marlaas.tools' tool, reward, serve, ToolError
 
-A fenced ```dot block (a Graphviz diagram, e.g. the architecture page's) is drawn to SVG at the
-build with Graphviz's ``dot`` (``make setup`` installs it) and inlined: the built site shows the
-picture with nothing fetched from another host.
-
 For the structs, each row is a field: its name, type, default, and the comment beside it (or
 the comment block just above it) in the source.
 """
@@ -18,14 +14,11 @@ from __future__ import annotations
 
 import inspect
 import re
-import shutil
-import subprocess
 import typing
 
 import msgspec
 
 MARKER = re.compile(r"^<!-- reference: (\w+) -->$", re.M)
-DOT_FENCE = re.compile(r"^```dot\n(?P<source>[^`]*+)^```$", re.M)  # a page's own text: possessive, no backtracking
 
 
 def _comments(cls: type) -> dict[str, str]:
@@ -149,21 +142,5 @@ def reference(name: str) -> str:
     return "\n".join(["| field | type | default | what it is |", "|---|---|---|---|", *table(root)]) + "\n"
 
 
-def diagram(source: str) -> str:
-    """A Graphviz diagram as inline SVG (Markdown passes the block through as raw HTML)."""
-    dot = shutil.which("dot")
-    if dot is None:
-        raise RuntimeError("the docs draw their diagrams with Graphviz's `dot`, which is not installed: run "
-                           "`make setup` (it installs graphviz with apt), or `apt-get install graphviz`")
-    done = subprocess.run([dot, "-Tsvg"], input=source, capture_output=True, text=True, timeout=60)
-    if done.returncode != 0:
-        raise RuntimeError(f"dot could not draw a diagram: {done.stderr.strip()}")
-    svg = done.stdout[done.stdout.index("<svg"):].replace("<svg ", '<svg style="max-width:100%;height:auto" ', 1)
-    svg = re.sub(r"<!--[^>]*-->", "", svg)  # dot's own comments (node names), from dot's output only
-    lines = [line for line in svg.splitlines() if line.strip()]  # a blank line would end the raw block
-    return '<div class="diagram" markdown="0">\n' + "\n".join(lines) + "\n</div>"
-
-
 def on_page_markdown(markdown: str, **_) -> str:
-    markdown = DOT_FENCE.sub(lambda m: diagram(m["source"]), markdown)
     return MARKER.sub(lambda m: reference(m[1]), markdown)
