@@ -1,4 +1,4 @@
-"""Each version's kept rollouts (``marlaas.platform.samples``): which
+"""Each version's kept rollouts (``marlaas.platform.samples``, the gateway's ``samples.py``): which
 versions stay, what is kept of a batch and how it is bounded, advantages as the trainer's, and the
 store's round trip."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from litestar.exceptions import HTTPException
 
 from marlaas.platform import limits
 from marlaas.platform.events import Sample, TrajectoryBatch
@@ -22,6 +23,7 @@ from marlaas.platform.samples import (
     write_samples,
 )
 from marlaas.platform.store import FileStore
+from services.gateway.samples import chosen_samples_version
 from services.trainer.grpo import group_advantages as trainer_advantages
 
 JOB = "acme.agent-1a2b3c"
@@ -187,3 +189,16 @@ def test_an_unreadable_or_oversized_record_is_skipped(tmp_path):
     store.put_bytes(group_key(JOB, 0, 2), b" " * (limits.MAX_SAMPLE_FILE_BYTES + 1))
     assert [g.group for g in read_samples(store, JOB, 0)] == [0]
 
+
+# --- the gateway's choice of version -----------------------------------------------------------
+
+
+def test_the_newest_version_with_samples_unless_one_is_asked():
+    assert chosen_samples_version(JOB, [0, 4, 9], None) == 9
+    assert chosen_samples_version(JOB, [0, 4, 9], 4) == 4
+    with pytest.raises(HTTPException) as missing:
+        chosen_samples_version(JOB, [0, 4, 9], 5)
+    assert missing.value.status_code == 404 and "versions 0, 4, 9" in missing.value.detail
+    with pytest.raises(HTTPException) as none:
+        chosen_samples_version(JOB, [], None)
+    assert none.value.status_code == 404 and "no samples yet" in none.value.detail
