@@ -320,13 +320,14 @@ def create_app(gateway: Gateway) -> Litestar:
     """The ASGI app serving ``gateway``."""
     from services.gateway.adapters import ADAPTER_ROUTES
     from services.gateway.files import FILE_ROUTES
+    from services.gateway.samples import SAMPLE_ROUTES
     from services.gateway.tinker_api import CHECKPOINT_ROUTES, TINKER_ROUTER
     from services.gateway.tinker_checkpoints import SIGNED_ROUTES, TINKER_CHECKPOINT_ROUTER
     from services.gateway.usage import USAGE_ROUTES
     from services.gateway.views import JOB_ROUTES
 
-    v1 = Router(path="/v1", route_handlers=[*JOB_ROUTES, *FILE_ROUTES, *ADAPTER_ROUTES, *CHECKPOINT_ROUTES,
-                                            *USAGE_ROUTES],
+    v1 = Router(path="/v1", route_handlers=[*JOB_ROUTES, *SAMPLE_ROUTES, *FILE_ROUTES, *ADAPTER_ROUTES,
+                                            *CHECKPOINT_ROUTES, *USAGE_ROUTES],
                 dependencies={"tenant": Provide(authenticated_tenant)}, security=[{"bearer": []}])
     # the dashboard: static files that call /v1 with the token the tenant types in (ui/app.js)
     ui = create_static_files_router(path="/ui", directories=[UI_DIR], html_mode=True, name="ui")

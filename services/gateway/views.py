@@ -100,7 +100,7 @@ async def cancel_job(request: Request, tenant: TenantRecord, job: str) -> Cancel
 
 @delete("/jobs/{job:str}", status_code=200, summary="Delete a job and everything of it",
         description="Cancels the job if it is unfinished, then removes its record, versions, adapters, "
-                    "optimizer states, trajectories and events.")
+                    "optimizer states, trajectories, kept samples and events.")
 async def delete_job(request: Request, tenant: TenantRecord, job: str) -> Deleted:
     await owned(request, tenant, job)
     reply = await gateway_of(request).call(subjects.API_DELETE, api.DeleteRequest(job=job, tenant=tenant.name),

@@ -12,6 +12,8 @@ history nobody needs or an orphan of a crashed or losing attempt. The plan delet
 - optimizer states of every version ``<= latest`` except the latest committed one's
   (the ``versions`` entry's optimizer Blob: a resumed trainer needs it);
 - trajectory batches of versions ``< latest``: trained, or off-policy and terminated;
+- the samples kept for the tenant of versions ``marlaas.platform.samples.keeps_samples`` lets go
+  (the last few in full, an evenly spaced few of the older ones, and pinned ones stay);
 - with each of those, the unfinished files a killed writer left in its attempt (a file store's
   temp files: ``ObjectStore.interrupted_writes``).
 
@@ -36,10 +38,11 @@ import structlog
 from marlaas.platform import subjects
 from marlaas.platform.bus import JOBS_BUCKET, VERSIONS_BUCKET, Bus, Delivery
 from marlaas.platform.events import COMMITTED, JOB_RECORD, POLICY
+from marlaas.platform.samples import keeps_samples
 from marlaas.platform.store import ObjectStore
 
 log = structlog.get_logger("manager")
-OBJECT_KINDS = ("adapters", "optimizer", "trajectories")
+OBJECT_KINDS = ("adapters", "optimizer", "trajectories", "samples")
 _VERSION = re.compile(r"^v(\d{6,})$")
 
 
@@ -70,7 +73,7 @@ def attempt_of(key: str) -> str:
 
 def plan_collection(job: str, keys: list[str], committed: dict[int, str], latest: int, keep_last: int,
                     pinned: set[int], latest_optimizer_key: str | None) -> list[str]:
-    """The keys to delete among ``keys`` (every object under the job's three prefixes).
+    """The keys to delete among ``keys`` (every object under the job's prefixes, ``OBJECT_KINDS``).
 
     ``committed`` maps a version to its committed adapter attempt prefix (from the
     announcements and the ``versions`` entry); ``latest`` is the committed version;
@@ -91,6 +94,8 @@ def plan_collection(job: str, keys: list[str], committed: dict[int, str], latest
             delete = orphan or not retained
         elif obj.kind == "optimizer":
             delete = obj.version < latest or obj.attempt_prefix != kept_optimizer
+        elif obj.kind == "samples":
+            delete = not keeps_samples(obj.version, latest, pinned)
         else:  # trajectories: a batch sampled at an older version is trained or was terminated
             delete = obj.version < latest
         if delete:

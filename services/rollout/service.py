@@ -46,6 +46,7 @@ from marlaas.platform.events import (
 )
 from marlaas.platform.files import DataFiles, is_file_id
 from marlaas.platform.runtime import Runtime
+from marlaas.platform.samples import write_samples
 from marlaas.platform.store import ObjectStore
 from marlaas.platform.telemetry import UTILIZATION_JOB, record_span, span
 from marlaas.platform.tenants import tenant_weights
@@ -302,6 +303,7 @@ class Rollout:
                     if not await self.wait_turn(spec, step):
                         return
                     await publish_batch(self.bus, self.store, job, step, batch)
+                    await self.keep_samples(spec, step, batch, spec.grpo.prompts_per_step)
                 await record_sampled(self.bus, job, step)
                 if spec.eval_every and version % spec.eval_every == 0 and step == version:  # after the
                     await self.evaluate(spec, event)  # batch: the trainer works on it; the next waits one eval
@@ -496,8 +498,10 @@ class Rollout:
             if not await self.wait_turn(spec, step):
                 finished.append(i)  # the job finished: publish nothing more
                 return
-            await publish_group(self.bus, self.store, spec.id, step, i, len(prompt_ids), TrajectoryBatch(
-                samples=samples, policy_version=self.engine.served_version(spec.id, lora), metrics=metrics))
+            batch = TrajectoryBatch(samples=samples, policy_version=self.engine.served_version(spec.id, lora),
+                                    metrics=metrics)
+            await publish_group(self.bus, self.store, spec.id, step, i, len(prompt_ids), batch)
+            await self.keep_samples(spec, step, batch, len(prompt_ids))
 
         async with self.adapter(spec, event) as lora:
             if lora is None:
@@ -518,6 +522,17 @@ class Rollout:
                           max(e for _, e in reward_times),
                           rewards_sha=digest([None if r is None else round(r, 6) for r in rewards]))
         return PUBLISHED
+
+    async def keep_samples(self, spec: JobSpec, step: int, batch: TrajectoryBatch, batch_groups: int) -> None:
+        """Keep a bounded record of a published batch's (or group's) episodes for the job's tenant
+        (``marlaas.platform.samples``): a view for people, so its failure is logged, never the batch's."""
+        tokenizer = self.engine.tokenizer
+        try:
+            await asyncio.to_thread(write_samples, self.store, spec.id, step, batch,
+                                    lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                                    scale_by_std=spec.grpo.scale_by_std, batch_groups=batch_groups)
+        except Exception:  # noqa: BLE001 -- deliberately tolerated: the batch is out already
+            log.exception("this version's samples were not kept", job=spec.id, version=step)
 
     @staticmethod
     def batch_metrics(task: Task, grpo, episodes: list[Episode], kept: int) -> dict[str, float]:

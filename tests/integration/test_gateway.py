@@ -128,7 +128,7 @@ TENANT_ENDPOINTS = [("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/v1/jobs
                     ("POST", "/v1/jobs/{job}/cancel"), ("DELETE", "/v1/jobs/{job}"),
                     ("GET", "/v1/jobs/{job}/versions"), ("POST", "/v1/jobs/{job}/versions/1/pin"),
                     ("GET", "/v1/jobs/{job}/timeline"), ("GET", "/v1/jobs/{job}/adapter"),
-                    ("GET", "/v1/jobs/{job}/events"),
+                    ("GET", "/v1/jobs/{job}/events"), ("GET", "/v1/jobs/{job}/samples"),
                     ("POST", "/v1/files"), ("GET", "/v1/files"), ("DELETE", "/v1/files/file-0123"),
                     ("POST", "/v1/adapters"), ("GET", "/v1/adapters"),
                     ("DELETE", "/v1/adapters/adapter-0123"),
@@ -381,7 +381,7 @@ def test_tenants_see_and_touch_only_their_own_jobs(stack, url, tokens, alice, bo
                                  ("GET", "/v1/jobs/{}/versions"), ("POST", "/v1/jobs/{}/versions/1/pin"),
                                  ("GET", "/v1/jobs/{}/timeline"), ("GET", "/v1/jobs/{}/adapter"),
                                  ("GET", "/v1/jobs/{}/adapter?version=1"),
-                                 ("GET", "/v1/jobs/{}/events")]:
+                                 ("GET", "/v1/jobs/{}/events"), ("GET", "/v1/jobs/{}/samples?version=1")]:
             theirs, absent = raw.request(method, template.format(job)), raw.request(method, template.format(missing))
             assert theirs.status_code == absent.status_code == 404, (method, template, theirs.text)
             assert theirs.text.replace(job, "JOB") == absent.text.replace(missing, "JOB")  # indistinguishable

@@ -1,16 +1,22 @@
 """The dashboard at /ui/, in a real browser: headless Chromium (Debian's, driven by selenium with
 Debian's chromedriver) against the session's stack. A wrong token is refused; alice sees her job and not
-bob's; her job's reward curve is drawn (checked in the DOM and in a screenshot's pixels)."""
+bob's; her job's reward curve is drawn (checked in the DOM and in a screenshot's pixels); her job's
+samples are in a table, and read over HTTP and with `marlaas samples`, while bob gets a missing job's 404."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import time
 
+import httpx
 import pytest
 
 from marlaas.platform.bus import Bus
 from marlaas.platform.tenants import add_tenant
-from marlaas.sdk.http import Client
+from marlaas.sdk.http import Client, NotFound
 
 pytestmark = [pytest.mark.stack, pytest.mark.shared_stack, pytest.mark.timeout(400)]
 JOB = {"task": "reverse", "steps": 3, "seed": 1, "grpo": {"prompts_per_step": 4, "group_size": 4}}
@@ -110,3 +116,81 @@ def test_alice_sees_her_job_and_its_curve_and_not_bobs(site, browser, tmp_path):
     png = browser.get_screenshot_as_png()
     (tmp_path / "dashboard.png").write_bytes(png)
     assert blue_pixels(png) > 100, "the curve is in the DOM but was not drawn"
+
+
+def marlaas(url: str, token: str, *args: str) -> subprocess.CompletedProcess:
+    """``marlaas ARGS`` as a tenant of the stack at ``url``."""
+    env = {**os.environ, "MARLAAS_URL": url, "MARLAAS_TOKEN": token}
+    return subprocess.run([sys.executable, "-m", "marlaas.cli", *args], capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def test_alice_reads_her_samples_over_http_and_the_cli_and_bob_gets_a_missing_jobs_404(site):
+    url, tokens, mine, _ = site
+    with Client(url, tokens["alice"]) as alice:
+        info, newest, first = alice.job(mine), alice.samples(mine), alice.samples(mine, version=0)
+    assert (newest.versions, newest.version, first.version) == ([0, 1, 2], 2, 0)  # the batches of 3 steps
+    for samples in (newest, first):
+        assert samples.job == mine and samples.policy_version == samples.version  # strictly on-policy
+        assert len(samples.groups) == samples.batch_groups == 4  # prompts_per_step 4 x group_size 4
+        for group in samples.groups:
+            rewards = [e.reward for e in group.episodes]
+            assert group.prompt and group.size == len(group.episodes) == 4
+            assert group.reward_mean == pytest.approx(sum(rewards) / 4)
+            assert sum(e.advantage for e in group.episodes) == pytest.approx(0.0, abs=1e-3)
+            assert all(e.tokens > 0 and not e.turns for e in group.episodes)  # reverse: one turn, the answer
+        every = [e.reward for g in samples.groups for e in g.episodes]
+        assert sum(every) / len(every) == pytest.approx(info.rewards[samples.version], abs=1e-4)  # what trained
+
+    shown = marlaas(url, tokens["alice"], "samples", mine, "--version", "1", "--json")
+    assert shown.returncode == 0, shown.stderr
+    as_json = json.loads(shown.stdout)
+    assert as_json["version"] == 1 and len(as_json["groups"]) == 4
+    text = marlaas(url, tokens["alice"], "samples", mine, "--version", "1")
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.startswith(f"{mine} version 1: 4 groups, 16 episodes\n")
+    for group in as_json["groups"]:
+        assert f"group {group['group']}: 4 episodes" in text.stdout
+        assert group["prompt"].splitlines()[0] in text.stdout
+    assert text.stdout.count("  episode ") == 16 and text.stdout.count("    answer  | ") == 16
+
+    missing = f"{mine.split('.')[0]}.nothing-000000"
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {tokens['bob']}"}) as raw:
+        theirs, absent = raw.get(f"/v1/jobs/{mine}/samples"), raw.get(f"/v1/jobs/{missing}/samples?version=1")
+    assert theirs.status_code == absent.status_code == 404, theirs.text
+    assert theirs.text.replace(mine, "JOB") == absent.text.replace(missing, "JOB")  # indistinguishable
+    with Client(url, tokens["bob"]) as bob, pytest.raises(NotFound, match="no job"):
+        bob.samples(mine, version=1)
+    refused = marlaas(url, tokens["bob"], "samples", mine)
+    assert refused.returncode == 2 and "no job" in refused.stderr and not refused.stdout
+
+
+def samples_table(driver) -> dict:
+    """The samples table's note, version choices and rows (cell texts), read in one script."""
+    return driver.execute_script(
+        "return {note: document.querySelector('#samples-note').textContent, "
+        "versions: [...document.querySelectorAll('#samples-version option')].map((o) => o.value), "
+        "rows: [...document.querySelectorAll('#samples tbody tr')].map((r) => [...r.cells].map((c) => c.textContent))}")
+
+
+def test_alice_reads_a_versions_samples_on_the_dashboard(site, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    url, tokens, mine, _ = site
+    sign_in(browser, url, tokens["alice"])
+    row = until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, f'tr[data-job="{mine}"]'), "alice's job listed")
+    row[0].click()
+    table = until(browser, lambda d: (t := samples_table(d))["rows"] and t, "no samples shown")
+    assert table["note"].startswith("version 2: 4 of 4 groups, 16 episodes kept"), table["note"]
+    assert table["versions"] == ["", "0", "1", "2"]  # the newest, then each version with samples
+    assert len(table["rows"]) == 16 and [r[0] for r in table["rows"]] == [str(g) for g in range(4) for _ in range(4)]
+    group, episode, reward, advantage, prompt, turns, answer = table["rows"][0]
+    assert episode == "1 of 4" and 0 <= float(reward) <= 1 and advantage[0] in "+-" and prompt and not turns
+    with Client(url, tokens["alice"]) as alice:
+        assert answer == alice.samples(mine, version=2).groups[0].episodes[0].completion
+    Select(browser.find_element(By.ID, "samples-version")).select_by_value("0")
+    table = until(browser, lambda d: (t := samples_table(d))["note"].startswith("version 0") and t,
+                  "version 0 not shown")
+    assert len(table["rows"]) == 16
+    (tmp_path / "samples.png").write_bytes(browser.get_screenshot_as_png())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from marlaas.platform.samples import group_key, keeps_samples
 from services.manager.gc import parse_key, plan_collection
 
 JOB = "acme.add-1a2b3c"
@@ -81,6 +82,14 @@ def test_without_a_committed_optimizer_every_state_up_to_latest_goes():
 def test_trajectory_batches_older_than_latest_go():
     keys = [batch_key(3, "a"), batch_key(4, "b"), batch_key(5, "c"), batch_key(5, "d")]
     assert plan(keys, latest=5) == {batch_key(3, "a"), batch_key(4, "b")}
+
+
+def test_kept_samples_go_as_their_retention_lets_them_and_pinned_ones_stay():
+    keys = [group_key(JOB, v, g) for v in range(201) for g in (0, 1)]
+    doomed = plan(keys, latest=200, pinned={3})
+    assert doomed == {group_key(JOB, v, g) for v in range(201) for g in (0, 1) if not keeps_samples(v, 200, {3})}
+    assert group_key(JOB, 3, 0) not in doomed and group_key(JOB, 200, 1) not in doomed
+    assert plan([group_key(JOB, 300, 0)], latest=200) == set()  # sampled ahead (bounded staleness)
 
 
 def test_a_version_without_a_known_committed_attempt_keeps_all_its_attempts():

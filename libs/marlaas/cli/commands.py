@@ -1,5 +1,5 @@
-"""``marlaas``: up, down, info, tasks, submit, list, status, watch, cancel, delete, pull, report,
-bench (and the operator's ``tenant`` and ``usage``).
+"""``marlaas``: up, down, info, tasks, submit, list, status, watch, cancel, delete, pull, samples,
+report, bench (and the operator's ``tenant`` and ``usage``).
 
 Job commands go through the HTTP API with the SDK (``marlaas.Client.from_env``: the
 gateway and the default tenant's token of the stack under the home dir, or
@@ -455,6 +455,18 @@ def cmd_pull(args, config) -> int:
     return 0
 
 
+def cmd_samples(args, config) -> int:
+    from marlaas.cli.transcript import transcript
+
+    with _client(config) as client:
+        samples = client.samples(args.job, args.version)
+    if args.json:
+        _print_json(samples)
+    else:
+        print(transcript(samples))
+    return 0
+
+
 def cmd_report(args, config) -> int:
     from marlaas.cli.report import write_report
 
@@ -574,6 +586,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job", help="a job id, or a Tinker checkpoint's tinker:// path")
     p.add_argument("--version", type=int, help="a committed version (default: the latest)")
     p.add_argument("--out", required=True, help="directory to unpack the adapter into")
+    p = command("samples", cmd_samples, "print a version's rollouts: prompt, turns, tool calls, answer, "
+                "reward and advantage, group by group")
+    p.add_argument("job")
+    p.add_argument("--version", type=int, help="a version whose samples are kept (default: the newest)")
     p = command("report", cmd_report, "plot a job's reward, eval score and time per step (PNG)")
     p.add_argument("job")
     p.add_argument("--out", help="directory for the plots (default: report-JOB)")

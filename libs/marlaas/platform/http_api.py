@@ -148,6 +148,58 @@ class Pinned(msgspec.Struct, kw_only=True, frozen=True):
     pinned: list[int] = []
 
 
+class SampleTurn(msgspec.Struct, kw_only=True, frozen=True):
+    """One turn of an episode before its answer: the model's (``role = "model"``, with the tool
+    call it wrote: ``tool`` and ``arguments``, or ``error`` saying why the call could not be read)
+    or a tool's result (``role = "tool"``). Texts are cut to ``limits.MAX_SAMPLE_TEXT_CHARS``."""
+
+    role: str  # model | tool
+    text: str
+    tool: str = ""
+    arguments: str = ""  # the call's arguments, JSON text as the model wrote them
+    error: str = ""
+
+
+class SampleEpisode(msgspec.Struct, kw_only=True, frozen=True):
+    """One rollout of its group's prompt: the turns before its answer, the answer (``completion``:
+    the model's last turn, what the reward judged), its reward and its GRPO advantage (the reward
+    normalized within its group, as the trainer computes it)."""
+
+    reward: float
+    advantage: float
+    completion: str
+    turns: list[SampleTurn] = []
+    tokens: int = 0  # tokens after the prompt: the model's and the tools' results
+    turns_cut: int = 0  # turns left out past limits.MAX_SAMPLE_TURNS
+
+
+class SampleGroup(msgspec.Struct, kw_only=True, frozen=True):
+    """One GRPO group of a version's batch: its prompt (as the model read it, template markup
+    aside) and the episodes kept of it (``size`` counts them all)."""
+
+    group: int
+    prompt: str
+    episodes: list[SampleEpisode]
+    size: int  # the group's episodes in the batch (some may not be kept)
+    reward_mean: float  # over all ``size`` episodes
+    policy_version: int = -1  # the version that sampled it (the batch's at bounded staleness)
+    batch_groups: int = 0  # groups in the version's batch (some may not be kept)
+
+
+class VersionSamples(msgspec.Struct, kw_only=True, frozen=True):
+    """``GET /v1/jobs/{id}/samples``: the episodes kept of one version's batch, group by group.
+
+    ``version`` is the batch's step (the version that sampled it, but under bounded staleness:
+    ``policy_version``); ``versions`` lists every version whose samples are kept, oldest first."""
+
+    job: str
+    version: int
+    policy_version: int
+    groups: list[SampleGroup]
+    batch_groups: int
+    versions: list[int]
+
+
 PATH_FIELDS = ("dataset", "corpus", "eval_dataset")  # a job's data: local files, uploaded at submit
 
 

@@ -33,6 +33,18 @@ MAX_EVAL_PROBLEMS = 1000
 MAX_SAMPLING_SEED = 2**31
 
 
+# each version's rollouts kept for their tenant (``marlaas.platform.samples``): per version, the first
+# MAX_SAMPLE_GROUPS GRPO groups, the first MAX_SAMPLE_EPISODES episodes of each (as many as fit in
+# MAX_SAMPLE_GROUP_CHARS of text, one at least), each text (prompt, turn, completion) cut to
+# MAX_SAMPLE_TEXT_CHARS and each episode to its first MAX_SAMPLE_TURNS turns before its answer
+MAX_SAMPLE_GROUPS, MAX_SAMPLE_EPISODES = 8, 8
+MAX_SAMPLE_TEXT_CHARS, MAX_SAMPLE_TURNS, MAX_SAMPLE_GROUP_CHARS = 2_000, 16, 64_000
+MAX_SAMPLE_FILE_BYTES = 1024 * 1024  # a stored group record the gateway reads (a larger one is skipped)
+# which versions' samples stay: the last FULL_SAMPLE_VERSIONS, and of the older ones at most
+# OLDER_SAMPLE_VERSIONS, evenly spaced (every 1st, 2nd, 4th, ... version: the spacing doubles as the job grows)
+FULL_SAMPLE_VERSIONS, OLDER_SAMPLE_VERSIONS = 8, 16
+
+
 def cut(text: str, limit: int = MAX_ERROR_CHARS) -> str:
     """``text`` kept to ``limit`` characters, saying how many were cut (so nobody takes it for whole)."""
     if len(text) <= limit:

@@ -1,6 +1,16 @@
 """The tenants' SDK over the HTTP API: :class:`Client` and its typed results and errors."""
 
-from marlaas.platform.http_api import EvalInfo, Event, JobInfo, PhaseSpan, VersionInfo
+from marlaas.platform.http_api import (
+    EvalInfo,
+    Event,
+    JobInfo,
+    PhaseSpan,
+    SampleEpisode,
+    SampleGroup,
+    SampleTurn,
+    VersionInfo,
+    VersionSamples,
+)
 from marlaas.sdk.http import (
     BadRequest,
     Client,
@@ -13,5 +23,5 @@ from marlaas.sdk.http import (
 
 __all__ = [
     "BadRequest", "Client", "EvalInfo", "Event", "JobInfo", "MarlaasError", "NotFound", "PhaseSpan", "QuotaExceeded",
-    "ServerError", "Unauthorized", "VersionInfo",
+    "SampleEpisode", "SampleGroup", "SampleTurn", "ServerError", "Unauthorized", "VersionInfo", "VersionSamples",
 ]

@@ -50,6 +50,7 @@ from marlaas.platform.http_api import (
     Pinned,
     Submitted,
     VersionInfo,
+    VersionSamples,
     is_file_id,
 )
 from marlaas.sdk import discovery
@@ -331,6 +332,12 @@ class Client:
     def timeline(self, job: str) -> list[PhaseSpan]:
         """When each of the job's phases ran (generate, reward, train, commit, eval), oldest first."""
         return self._get(f"/v1/jobs/{job}/timeline", list[PhaseSpan])
+
+    def samples(self, job: str, version: int | None = None) -> VersionSamples:
+        """The episodes kept of a version's batch, group by group (prompt, turns, tool calls,
+        answer, reward, advantage); the newest version with samples unless ``version``."""
+        params = {} if version is None else {"version": version}
+        return self._get(f"/v1/jobs/{job}/samples", VersionSamples, params=params)
 
     def pin(self, job: str, version: int) -> list[int]:
         """Keep ``version``'s adapter through garbage collection; returns the pinned versions."""

@@ -1,6 +1,8 @@
 // marlaas's dashboard: the tenant's jobs and their curves, from the same HTTP API the CLI uses
 // (/v1/jobs with the tenant's bearer token). The token stays in this tab (sessionStorage). A
 // selected job is followed live through its server-sent events; the list is refreshed every 3 s.
+// A selected job's samples (a version's kept rollouts) are loaded again when it commits a version
+// or another version is chosen, not at every refresh.
 "use strict";
 
 const TOOL_SUCCESS = "tool/success_rate";
@@ -163,6 +165,7 @@ async function renderDetail(job) {
     "not evaluated (a job's eval_every sets it)");
   line($("#chart-tools"), ((job.metrics || {})[TOOL_SUCCESS] || []).map((value, version) => [version, value]), [0, 1],
     "no tool calls (not an agentic job)");
+  showSamples(job);
   try {
     const versions = await (await api(`/v1/jobs/${encodeURIComponent(job.id)}/versions`)).json();
     const steps = versions.slice(1).map((v, i) => [v.version, v.committed_at - versions[i].committed_at]);
@@ -187,6 +190,71 @@ async function follow(id, signal) {
     }
   } catch (error) { /* aborted, or the stream ended: the 3 s refresh goes on */ }
 }
+
+// --- one job's samples: a version's kept rollouts (GET /v1/jobs/{id}/samples) ------------------
+
+let samplesDrawn = "";  // the job, its version and the version chosen of the table drawn
+let samplesJob = null;  // the job whose samples are shown
+
+function showSamples(job, force = false) {
+  samplesJob = job;
+  const select = $("#samples-version");
+  const choice = select.dataset.job === job.id ? select.value : "";  // "": the newest
+  const key = `${job.id}|${job.version}|${choice}`;
+  if (key === samplesDrawn && !force) return;
+  samplesDrawn = key;
+  loadSamples(job.id, choice);
+}
+
+async function loadSamples(id, choice) {
+  const query = choice ? `?version=${encodeURIComponent(choice)}` : "";
+  try {
+    const samples = await (await api(`/v1/jobs/${encodeURIComponent(id)}/samples${query}`)).json();
+    if (samplesJob && samplesJob.id === id) renderSamples(id, samples, choice);
+  } catch (error) {
+    $("#samples tbody").replaceChildren();
+    $("#samples-note").textContent = error.status === 404 ? error.message : `Could not load the samples: ${error.message}`;
+  }
+}
+
+function turnText(turn) {
+  if (turn.role === "tool") return `[tool] ${turn.text}`;
+  const call = turn.tool ? `\n-> ${turn.tool} ${turn.arguments}` : turn.error ? `\n-> (unreadable call: ${turn.error})` : "";
+  return `[model] ${turn.text}${call}`;
+}
+
+function renderSamples(id, samples, choice) {
+  const select = $("#samples-version");
+  select.dataset.job = id;
+  const newest = element("option", `newest (version ${last(samples.versions)})`);
+  newest.value = "";
+  select.replaceChildren(newest, ...samples.versions.map((v) => Object.assign(element("option", `version ${v}`),
+    { value: String(v) })));
+  select.value = choice;
+  const episodes = samples.groups.reduce((n, g) => n + g.episodes.length, 0);
+  const sampledBy = samples.policy_version >= 0 && samples.policy_version !== samples.version
+    ? `, sampled by version ${samples.policy_version}` : "";
+  $("#samples-note").textContent = `version ${samples.version}${sampledBy}: ${samples.groups.length} of `
+    + `${samples.batch_groups} groups, ${episodes} episodes kept`;
+  const body = $("#samples tbody");
+  body.replaceChildren();
+  for (const group of samples.groups) {
+    group.episodes.forEach((episode, i) => {
+      const row = element("tr", undefined, i === 0 ? "group-start" : "");
+      row.dataset.group = group.group;
+      row.append(element("td", String(group.group)), element("td", `${i + 1} of ${group.size}`),
+        element("td", fmt(episode.reward, 3)),
+        element("td", `${episode.advantage >= 0 ? "+" : ""}${fmt(episode.advantage, 3)}`),
+        element("td", i === 0 ? group.prompt : "", "text"),
+        element("td", episode.turns.map(turnText).join("\n")
+          + (episode.turns_cut ? `\n(${episode.turns_cut} more turns not kept)` : ""), "text"),
+        element("td", episode.completion, "text"));
+      body.append(row);
+    });
+  }
+}
+
+$("#samples-version").addEventListener("change", () => { if (samplesJob) showSamples(samplesJob, true); });
 
 // --- charts: SVG drawn here (no library, nothing from another host) ---------------------------
 
