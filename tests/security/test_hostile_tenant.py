@@ -928,3 +928,28 @@ def test_alices_job_trained_through_every_attack_and_alice_still_submits(alice, 
     assert alice.job(job).state in ("queued", "running")
     alice.cancel(job)
     assert answered_s < 5.0, f"alice's submit took {answered_s:.1f} s after the attacks"  # an availability bound
+
+
+# --- every unit of work metered (issue 48, item 6) ---------------------------------------------------
+
+
+def usage_of(url: str, token: str, job: str) -> dict:
+    answer = httpx.get(f"{url}/v1/usage", params={"job": job}, headers=bearer(token), timeout=30)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["total"]
+
+
+def test_a_job_cancelled_before_its_first_batch_is_metered(stack, url, tokens, mallory):
+    """M1: a job cancelled while its first batches generated (two at once, at max_staleness = 1)
+    once left no usage record: its steps were cut off and nothing reported. Now they end at their
+    episodes' next turn, report what they did and publish nothing."""
+    job = mallory.submit({**SMALL, "name": "quitter", "steps": 5, "grpo": {
+        "prompts_per_step": 16, "group_size": 16, "max_new_tokens": 256, "ignore_eos": True, "max_staleness": 1}})
+    wait_for(lambda: mallory.job(job).state == "running", 60, "mallory's job running")
+    time.sleep(1.0)  # its first batches generate (about 20 s on a 2-core CPU)
+    mallory.cancel(job)
+    assert mallory.job(job).version <= 0
+    used = wait_for(lambda: (u := usage_of(url, tokens["mallory"], job))["generated_tokens"] and u, 90,
+                    "the cancelled job's generation metered")
+    assert used["episodes"] > 0 and used["prefill_tokens"] > 0
+
