@@ -44,7 +44,7 @@ from marlaas.platform.http_api import AdapterDeleted, AdapterInfo
 from marlaas.platform.store import make_private_dirs
 from marlaas.platform.tenants import TenantRecord
 from services.gateway.app import ApiError, Slots, gateway_of
-from services.gateway.files import Quota
+from services.gateway.files import Quota, in_store
 
 MAX_BODY_BYTES = MAX_ARCHIVE_BYTES  # an upload as sent (gzip barely shrinks float weights)
 WRITE_BYTES = 1 << 20  # the body goes to its temp file in pieces of about this size, off the event loop
@@ -133,8 +133,8 @@ def holdings_key(tenant: str) -> str:
     return f"{tenant}.adapters"
 
 
-ADAPTER_QUOTA = Quota(key=holdings_key, cap=lambda gateway: MAX_ADAPTERS_PER_TENANT, stored=list_adapters,
-                      is_stored=read_adapter_record, kind="adapter",
+ADAPTER_QUOTA = Quota(key=holdings_key, cap=lambda gateway: MAX_ADAPTERS_PER_TENANT, stored=in_store(list_adapters),
+                      is_stored=in_store(read_adapter_record), kind="adapter",
                       full=("you already have {cap} adapters, the most a tenant may: delete one you no longer "
                             "need (DELETE /v1/adapters/{{id}}; GET /v1/adapters lists them), then upload again"))
 

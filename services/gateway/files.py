@@ -20,9 +20,10 @@ import os
 import random
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from litestar import Request, delete, get, post
@@ -42,7 +43,7 @@ from marlaas.platform.files import (
     too_big,
 )
 from marlaas.platform.http_api import FileDeleted, FileInfo
-from marlaas.platform.store import ObjectStore, make_private_dirs
+from marlaas.platform.store import make_private_dirs
 from marlaas.platform.tenants import TenantRecord
 from services.gateway.app import ApiError, Gateway, gateway_of
 
@@ -118,25 +119,34 @@ async def store_upload(gateway: Gateway, tenant: str, path: Path, sha256: str, r
         raise
 
 
+def in_store(read: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+    """``read(store, *args)`` as a :class:`Quota` lookup: on the gateway's object store, off the event loop."""
+    async def lookup(gateway: Gateway, *args):
+        return await asyncio.to_thread(read, gateway.store, *args)
+
+    return lookup
+
+
 @dataclass(frozen=True)
 class Quota:
-    """What a tenant may hold of one kind (its files, its adapters), counted in one entry of the
-    ``files`` bucket per tenant and taken by compare-and-set before a thing is stored, so that
-    uploads racing on any replicas cannot pass ``cap`` between a check and a write."""
+    """What a tenant may hold of one kind (its files, its adapters, its copied Tinker checkpoints),
+    counted in one entry of the ``files`` bucket per tenant and taken by compare-and-set before a
+    thing is stored, so that requests racing on any replicas cannot pass ``cap`` between a check
+    and a write."""
 
     key: Callable[[str], str]  # the tenant's entry
     cap: Callable[[Gateway], int]
-    stored: Callable[[ObjectStore, str], list]  # the tenant's stored records (``id``, ``created_at``)
-    is_stored: Callable[[ObjectStore, str, str], object]  # one of them by id (falsy: not stored)
+    stored: Callable[[Gateway, str], Awaitable[list]]  # the tenant's stored records (``id``, ``created_at``)
+    is_stored: Callable[[Gateway, str, str], Awaitable[object]]  # one of them by id (falsy: not stored)
     full: str  # the 429's text, ``{cap}`` filled in
-    kind: str  # "file", "adapter"
+    kind: str  # "file", "adapter", "copied checkpoint"
 
     async def holdings(self, gateway: Gateway, tenant: str) -> tuple[dict[str, float], int]:
         """The tenant's holdings and their KV revision (0: none yet; then what it has stored,
         which uploads made before the holdings existed left)."""
         entry = await gateway.bus.kv_get(FILES_BUCKET, self.key(tenant))
         if entry is None:
-            return {r.id: r.created_at for r in await asyncio.to_thread(self.stored, gateway.store, tenant)}, 0
+            return {r.id: r.created_at for r in await self.stored(gateway, tenant)}, 0
         return msgspec.json.decode(entry.value, type=FileHoldings).files, entry.revision
 
     async def write(self, gateway: Gateway, tenant: str, held: dict[str, float], revision: int) -> bool:
@@ -160,14 +170,13 @@ class Quota:
             now = time.time()
             plan = plan_reservation(held, ident, cap, now)
             if plan is None:  # full: look whether some places are held by uploads that never finished
-                stored = {r.id for r in await asyncio.to_thread(self.stored, gateway.store, tenant)}
+                stored = {r.id for r in await self.stored(gateway, tenant)}
                 plan = plan_reservation(held, ident, cap, now, stored)
             if plan is None:
                 raise ApiError(429, self.full.format(cap=cap))
             if ident in held or await self.write(gateway, tenant, plan, revision):
                 return
-        raise ApiError(503, f"too many of your uploads and deletions changed your {self.kind} list at once: "
-                            "retry in a moment")
+        raise ApiError(503, f"too many of your requests changed your {self.kind} list at once: retry in a moment")
 
     async def release(self, gateway: Gateway, tenant: str, ident: str) -> None:
         """Stop counting ``ident``, unless it is stored (the same bytes, by another upload)."""
@@ -176,7 +185,7 @@ class Quota:
             if entry is None:
                 return
             held = msgspec.json.decode(entry.value, type=FileHoldings).files
-            if ident not in held or await asyncio.to_thread(self.is_stored, gateway.store, tenant, ident):
+            if ident not in held or await self.is_stored(gateway, tenant, ident):
                 return
             rest = {i: at for i, at in held.items() if i != ident}
             if await self.write(gateway, tenant, rest, entry.revision):
@@ -185,7 +194,7 @@ class Quota:
 
 
 FILE_QUOTA = Quota(key=lambda tenant: tenant, cap=lambda gateway: gateway.config.gateway.max_files,
-                   stored=list_files, is_stored=read_file_record, kind="file",
+                   stored=in_store(list_files), is_stored=in_store(read_file_record), kind="file",
                    full=("you already have {cap} files (gateway.max_files): delete one you no longer need "
                          "(DELETE /v1/files/{{id}}; GET /v1/files lists them), then upload again"))
 

@@ -33,6 +33,7 @@ from marlaas.platform.store import ObjectNotFound, ObjectStore
 from marlaas.platform.tenants import TenantRecord, get_tenant
 from services.gateway import tinker_auth
 from services.gateway.app import ApiError, gateway_of
+from services.gateway.files import Quota
 from services.gateway.tinker_api import (
     body_json,
     checkpoint_entry,
@@ -85,6 +86,8 @@ async def delete_or_unpublish(request: Request, tenant: TenantRecord, model_id: 
     path = checkpoint_target(model_id, checkpoint_id, "")
     checkpoint = await owned(gateway, tenant, "checkpoint", path, wire.TinkerCheckpoint)
     await wire.delete_checkpoint(gateway.bus, gateway.store, checkpoint)
+    if checkpoint.model_id.startswith("copy-"):
+        await COPY_QUOTA.release(gateway, tenant.name, checkpoint.model_id)  # unless the run holds another
     return {}
 
 
@@ -227,13 +230,21 @@ async def copy_weights(request: Request, tenant: TenantRecord) -> dict:
         raise ApiError(400, str(exc)) from None
     retry_key = request.headers.get("x-idempotency-key")
     seed = msgspec.json.encode([tenant.name, retry_key, source.path]) if retry_key else uuid.uuid4().bytes
-    copies = await copied_runs(gateway, tenant)
-    if len(copies) >= MAX_COPIES and f"copy-{hashlib.sha256(seed).hexdigest()[:24]}" not in copies:
-        raise ApiError(429, f"you keep {len(copies)} copied checkpoints, the most a tenant may (each stores the "
-                            "weights again): delete_checkpoint one of them (tinker://copy-.../...) to copy more")
+    run_id = f"copy-{hashlib.sha256(seed).hexdigest()[:24]}"
+    await COPY_QUOTA.reserve(gateway, tenant.name, run_id)  # a 429 at MAX_COPIES, however many race for it
+    try:
+        return {"tinker_path": await make_copy(gateway, tenant, source, run_id, now, expires_at)}
+    except BaseException:
+        await COPY_QUOTA.release(gateway, tenant.name, run_id)  # not made: its place is given back
+        raise
+
+
+async def make_copy(gateway, tenant: TenantRecord, source: wire.TinkerCheckpoint, run_id: str, now: float,
+                    expires_at: float) -> str:
+    """Copy ``source`` into run ``run_id`` of the tenant's (objects, then records); its tinker:// path."""
     origin = await wire.read(gateway.bus, "model", source.model_id, wire.TinkerModel, source.tenant)
     run = wire.TinkerModel(
-        id=f"copy-{hashlib.sha256(seed).hexdigest()[:24]}", tenant=tenant.name, session="", rank=source.rank,
+        id=run_id, tenant=tenant.name, session="", rank=source.rank,
         base_model=origin.base_model if origin else sorted(served_names(gateway))[0],
         train_mlp=origin.train_mlp if origin else True, train_attn=origin.train_attn if origin else True,
         created_at=now, from_checkpoint=source.path)
@@ -245,13 +256,28 @@ async def copy_weights(request: Request, tenant: TenantRecord) -> dict:
     await wire.write(gateway.bus, "checkpoint", path, copy)
     await wire.write(gateway.bus, "model", run.id, run)
     await wire.index(gateway.bus, tenant.name, run.id, path)
-    return {"tinker_path": path}
+    return path
 
 
-async def copied_runs(gateway, tenant: TenantRecord) -> set[str]:
-    """The ids of the tenant's runs made by copy_weights that still hold a checkpoint."""
-    return {model.id for model in await wire.tenant_models(gateway.bus, tenant.name)
-            if model.id.startswith("copy-") and await model_checkpoints(gateway, model.id)}
+async def copied_runs(gateway, tenant: str) -> list[wire.TinkerModel]:
+    """The tenant's runs made by copy_weights that still hold a checkpoint."""
+    return [model for model in await wire.tenant_models(gateway.bus, tenant)
+            if model.id.startswith("copy-") and await model_checkpoints(gateway, model.id)]
+
+
+async def holds_copy(gateway, tenant: str, run_id: str) -> bool:
+    """Whether the tenant's copied run ``run_id`` still holds a checkpoint."""
+    run = await wire.read(gateway.bus, "model", run_id, wire.TinkerModel, tenant)
+    return run is not None and bool(await model_checkpoints(gateway, run_id))
+
+
+# copied runs, counted in the tenant's entry <tenant>.copies of the files bucket (a name holds no '.':
+# no clash with its files' or adapters' entries) and taken by compare-and-set: 120 concurrent copies
+# once made 84 against this cap, each counting the runs before any was written (issue 48, L1)
+COPY_QUOTA = Quota(key=lambda tenant: f"{tenant}.copies", cap=lambda gateway: MAX_COPIES, stored=copied_runs,
+                   is_stored=holds_copy, kind="copied checkpoint",
+                   full=("you keep {cap} copied checkpoints, the most a tenant may (each stores the weights "
+                         "again): delete_checkpoint one of them (tinker://copy-.../...) to copy more"))
 
 
 def copy_objects(store: ObjectStore, source: wire.TinkerCheckpoint, prefix: str):

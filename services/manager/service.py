@@ -53,7 +53,7 @@ from marlaas.platform.events import (
 from marlaas.platform.files import DataFiles
 from marlaas.platform.runtime import Runtime
 from marlaas.platform.store import ObjectStore
-from marlaas.platform.tenants import broadcast_shares
+from marlaas.platform.tenants import TenantRecord, broadcast_shares, get_tenant
 from marlaas.tasks import get_task
 from marlaas.tools.registry import read_tool, reward_subject
 from services.manager.adaptive import AdaptiveAdmission
@@ -65,7 +65,14 @@ from services.manager.lifecycle import oldest_beyond as oldest_beyond  # re-expo
 from services.manager.sizing import max_token_chars
 from services.manager.tinker_sessions import TinkerQuotas, sweep_tinker_sessions
 from services.manager.usage import keep_ledger
-from services.manager.validation import StackFacts, validate_submission
+from services.manager.validation import (
+    DataSize,
+    StackFacts,
+    data_refs,
+    data_refusal,
+    submission_chain,
+    validate_submission,
+)
 from services.manager.validation import job_id as job_id  # re-exported: tests import it here
 from services.manager.warm_start import resolve_init, servable_problem
 
@@ -139,9 +146,11 @@ class Manager:
 
     # --- submission ---------------------------------------------------------------------------
 
-    def validate(self, request: api.SubmitRequest) -> JobRecord:
+    def validate(self, request: api.SubmitRequest, tenant: TenantRecord | None = None) -> JobRecord:
         """A queued job record from a submission, or :class:`api.SubmitError` saying what to fix
-        (``validation.validate_submission``).
+        (``validation.validate_submission``). First, the data that it and its follow-ups name
+        against ``tenant``'s bounds, from the files' records (``validation.data_refusal``; no
+        record: the platform's own jobs, not bounded).
 
         It reads the job's data and tokenizes its prompts: :meth:`submit` runs it in a thread."""
         def check(request: api.SubmitRequest) -> JobRecord:
@@ -150,13 +159,18 @@ class Manager:
 
             return validate_submission(request, self.facts, load_task, self.count_tokens, time.time())
 
-        record, follow, where = check(request), request, "then"
-        while (follow := api.follow_up(follow, where)) is not None:  # each follow-up is checked now, not later
+        chain = submission_chain(request)
+        if tenant is not None:
+            sizes = [DataSize(field, ref, *size) for field, ref in data_refs(chain)
+                     if (size := self.files.size(request.tenant, ref, tenant.max_dataset_bytes)) is not None]
+            if refusal := data_refusal(sizes, tenant.name, tenant.max_dataset_rows, tenant.max_dataset_bytes):
+                raise api.SubmitError(refusal)
+        record = check(request)
+        for where, follow in chain[1:]:  # each follow-up is checked now, not later
             try:
                 check(follow)
             except api.SubmitError as exc:
                 raise api.SubmitError(f"{where}: {exc}") from None
-            where += ".then"
         return record
 
     def count_tokens(self, texts: list[str]) -> list[int]:
@@ -190,7 +204,8 @@ class Manager:
         try:
             request = api.parse_submission(msgspec.json.decode(data))
             # off the event loop: reading the data and tokenizing take time (bounded, see validate)
-            record = await self.resolve_tools(await asyncio.to_thread(self.validate, request))
+            tenant = await get_tenant(self.bus, request.tenant)
+            record = await self.resolve_tools(await asyncio.to_thread(self.validate, request, tenant))
             if refusal := await size_refusal(self.bus, record.spec):
                 raise api.SubmitError(refusal)
             await self.check_reward_served(record.spec)

@@ -3,6 +3,9 @@
 :func:`validate_submission` checks a submission in the order the costs grow, so an oversized or
 mistyped one is refused before any costly step:
 
+0. the data it and its follow-ups name, against its tenant's bounds (:func:`data_refusal`, which
+   the manager applies before any link is checked: rows and bytes summed over the data fields and
+   the ``then`` chain, from the files' records, not from the data);
 1. the fields' bounds (:func:`field_problems`: every problem at once, and each text's length in
    characters, see ``sizing``);
 2. the task over the job's data (read by the ``load_task`` it is given), and the held-out data;
@@ -36,6 +39,7 @@ from services.manager.sizing import longest_prompt_tokens, prompts_refusal, syst
 _SLUG = re.compile(r"[^a-z0-9]+")
 _TENANT = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 
+DATA_FIELDS = ("dataset", "eval_dataset", "corpus")  # a submission's fields that name a data file
 CountTokens = Callable[[list[str]], list[int]]  # texts -> each one's tokens
 LoadTask = Callable[[str | None], object]  # a dataset reference -> the task over it (or TaskError)
 
@@ -50,6 +54,57 @@ class StackFacts:
     token_chars: int  # the longest vocabulary entry's characters (``sizing.max_token_chars``)
     kv_bytes_per_token: int  # ``admission.kv_bytes_per_token``
     kv_budget_bytes: int  # manager.kv_budget_gib, in bytes
+
+
+def submission_chain(request: api.SubmitRequest) -> list[tuple[str, api.SubmitRequest]]:
+    """The submission and each of its follow-ups, each with where it is (``""``, ``"then"``,
+    ``"then.then"``, ...); :class:`api.SubmitError` for a chain too long or a follow-up malformed."""
+    links, follow, where = [("", request)], request, "then"
+    while (follow := api.follow_up(follow, where)) is not None:
+        links.append((where, follow))
+        where += ".then"
+    return links
+
+
+def data_refs(chain: list[tuple[str, api.SubmitRequest]]) -> list[tuple[str, str]]:
+    """Each data file the chain's links name, as ``(field, reference)``: ``("then.dataset", "file-...")``.
+    A file named twice is listed twice: each link reads its data again."""
+    return [(f"{where}.{name}" if where else name, ref) for where, link in chain for name in DATA_FIELDS
+            if (ref := getattr(link, name))]
+
+
+@dataclass(frozen=True)
+class DataSize:
+    """One data file a submission names: where (``dataset``, ``then.corpus``, ...), the reference
+    as given (a file id, or a path), and its records and bytes."""
+
+    field: str
+    ref: str
+    rows: int
+    bytes: int
+
+
+def data_refusal(sizes: list[DataSize], tenant: str, max_rows: int, max_bytes: int) -> str:
+    """Why the data a submission names is more than tenant ``tenant`` may submit at once ("" = it
+    is not): its files' rows, or their bytes, summed over every data field of every link of the
+    ``then`` chain, above ``max_rows`` (``max_dataset_rows``) or ``max_bytes`` (``max_dataset_bytes``).
+    Checked from the files' records before any of the data is read: the manager reads and checks
+    all of it before it answers."""
+    rows, size = sum(s.rows for s in sizes), sum(s.bytes for s in sizes)
+    if rows > max_rows:
+        what, bound, flag = f"{rows:,} rows", f"max_dataset_rows = {max_rows:,}", "--max-dataset-rows"
+        each = [f"{s.field} {s.ref} ({s.rows:,} rows)" for s in sizes]
+    elif size > max_bytes:
+        what, bound, flag = f"{size:,} bytes", f"max_dataset_bytes = {max_bytes:,}", "--max-dataset-bytes"
+        each = [f"{s.field} {s.ref} ({s.bytes:,} bytes)" for s in sizes]
+    else:
+        return ""
+    chained = any(s.field.startswith("then.") for s in sizes)
+    again = " (each link of a `then` chain reads its data again)" if chained else ""
+    fewer = ", or name it in fewer follow-ups" if chained else ""
+    return (f"the data this submission names is {what}, above tenant {tenant}'s bound ({bound}): "
+            f"{'; '.join(each)}{again}. Submit a smaller dataset (a sample of its rows){fewer}; or ask the "
+            f"operator to raise the bound (`marlaas tenant set {tenant} {flag} N`)")
 
 
 def field_problems(request: api.SubmitRequest, facts: StackFacts) -> list[str]:

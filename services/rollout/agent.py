@@ -251,24 +251,34 @@ class ToolBox:
 async def run_episode(engine: PolicyEngine, fmt: ConversationFormat, prompt_ids: list[int], *,
                       tools: ToolBox, limits: EpisodeLimits, temperature: float, lora,
                       seed: Callable[[int], int], ignore_eos: bool = False,
-                      priority: Callable[[], int] | None = None, tenant: str = "", rank: int = 1) -> Episode:
+                      priority: Callable[[], int] | None = None, tenant: str = "", rank: int = 1,
+                      episode: Episode | None = None, stopped: Callable[[], bool] | None = None) -> Episode:
     """Sample one episode; ``seed(turn)`` gives each turn's sampling seed; ``ignore_eos``
     makes every turn run to its budget (fixed-length completions, for benchmarks); ``priority()``,
     when given, each turn's place in the engine's queue (frontier-group dispatch); ``tenant``, whose
     share of the engine each turn counts against (``rollout.fair_share``), and ``rank`` the job's
-    priority within it (``fair_share.RANKS``)."""
-    episode = Episode(prompt_ids)
+    priority within it (``fair_share.RANKS``).
+
+    ``episode``: the caller's (empty) episode to fill, so that what it used is known even if this
+    is cancelled half-way (metering). ``stopped()``: true once the job is cancelled or failed; the
+    episode then starts no more turns (the one in the engine finishes) and ends as ``"stopped"``."""
+    episode = episode if episode is not None else Episode(prompt_ids)
     while True:
         budget = min(limits.max_new_tokens, limits.max_total_tokens - len(episode) - 1)
         if budget <= 0:
             episode.end_reason = "context_full"
             return episode
+        if stopped is not None and stopped():
+            episode.end_reason = "stopped"
+            return episode
+        episode.in_engine = len(episode)  # charged as sent, even if the turn is cut off (its batch failed)
         turn = await engine.generate(episode.ids, max_tokens=budget, temperature=temperature, lora=lora,
                                      seed=seed(episode.turns),  # a single-turn task's text is never cut at a tag
                                      stop=[CALL_CLOSE] if limits.max_tool_calls else None,
                                      ignore_eos=ignore_eos, **({"tenant": tenant} if tenant else {}),
                                      **({"rank": rank} if rank != 1 else {}),
                                      **({"priority": priority()} if priority else {}))
+        episode.in_engine = 0
         if episode.turns:
             episode.cached_tokens.append(turn.cached_tokens)
         episode.add_turn(turn.token_ids, turn.logprobs)
@@ -289,13 +299,15 @@ async def run_episode(engine: PolicyEngine, fmt: ConversationFormat, prompt_ids:
             return episode
         episode.tool_calls += 1
         started = time.monotonic()
-        if isinstance(call, CallError):
-            result, ok = f"error: {call.message}", False
-        else:
-            result, ok = await tools.call(call)
-            if call.note:  # first, so that cutting a long result never hides it
-                result = f"{call.note}\n{result}"
-        episode.tool_wait_s += time.monotonic() - started
+        try:
+            if isinstance(call, CallError):
+                result, ok = f"error: {call.message}", False
+            else:
+                result, ok = await tools.call(call)
+                if call.note:  # first, so that cutting a long result never hides it
+                    result = f"{call.note}\n{result}"
+        finally:  # metered even when the episode is cut off during the call
+            episode.tool_wait_s += time.monotonic() - started
         episode.tool_successes += ok
         episode.tool_errors += not ok
         observation = await asyncio.to_thread(fmt.observation_ids, result, limits.max_observation_tokens)

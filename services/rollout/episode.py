@@ -7,6 +7,9 @@ logprob 0). The ids of the next turn's request are exactly the ids so far: nothi
 model generated is ever decoded and re-tokenized. ``to_sample`` checks that ids, mask
 and logprobs line up before the batch leaves rollout.
 
+An episode of a job cancelled or failed meanwhile ends as ``stopped`` at its next turn; it is
+never scored (its batch is not published), only metered (:func:`episodes_usage`).
+
 A reward judges only the model's own final turn (``final_turn_ids``), never a tool's output,
 whatever the chat template. An episode that did not end with an answer (``length``,
 ``max_tool_calls``, ``context_full``, ``read_timeout``) is *truncated*; the job's
@@ -49,6 +52,7 @@ class Episode:
     tool_successes: int = 0
     tool_wait_s: float = 0.0
     cached_tokens: list[int] = field(default_factory=list)  # prefix-cache hits of each turn after the first
+    in_engine: int = 0  # the prompt tokens of the turn in the engine now (0 between turns)
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + sum(len(s.ids) for s in self.segments)
@@ -67,12 +71,18 @@ class Episode:
 
     @property
     def prefill_tokens(self) -> int:
-        """Prompt tokens of its engine requests: each turn's request carries every id before it."""
-        total, length = 0, len(self.prompt_ids)
+        """Prompt tokens of its engine requests: each turn's request carries every id before it;
+        a turn still in the engine (or cut off there, when its batch failed) counts as sent."""
+        total, length = self.in_engine, len(self.prompt_ids)
         for segment in self.segments:
             total += length if segment.kind == "sampled" else 0
             length += len(segment.ids)
         return total
+
+    @property
+    def started(self) -> bool:
+        """Whether it sent the engine a request (an episode of a stopped job may not have)."""
+        return bool(self.segments or self.in_engine)
 
     @property
     def truncated(self) -> bool:
@@ -133,12 +143,15 @@ def settle_truncated(episodes: list[Episode], scores: list[float | None], mode: 
 
 
 def episodes_usage(episodes: list[Episode]) -> UsageCounters:
-    """What ``episodes`` used: the engine's prefilled and generated tokens, the tool calls the
-    model made and the seconds they were waited on (metering, ``marlaas.platform.usage``)."""
+    """What ``episodes`` used, finished or not: the engine's prefilled and generated tokens, the
+    tool calls the model made and the seconds they were waited on (metering,
+    ``marlaas.platform.usage``). An episode cut off half-way counts what it did: its finished
+    turns, and the prompt of the turn that was in the engine (whose sampled tokens the engine
+    does not report); one that never sent a request counts nothing."""
     return UsageCounters(
         prefill_tokens=sum(e.prefill_tokens for e in episodes),
         generated_tokens=sum(len(s.ids) for e in episodes for s in e.segments if s.kind == "sampled"),
-        episodes=len(episodes), tool_calls=sum(e.tool_calls for e in episodes),
+        episodes=sum(e.started for e in episodes), tool_calls=sum(e.tool_calls for e in episodes),
         tool_s=sum(e.tool_wait_s for e in episodes))
 
 

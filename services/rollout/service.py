@@ -134,6 +134,7 @@ class Rollout:
         self.tasks: dict[str, Task] = {}
         self.adapter_locks: dict[str, asyncio.Lock] = {}
         self.finished: set[str] = set()  # jobs forgotten: never load an adapter for them again
+        self.stopped: set[str] = set()  # jobs cancelled or failed: their episodes start no more turns
         self.sampling: set[tuple[str, int]] = set()  # (job, step) being sampled by this process
         self.in_use: Counter[tuple[str, int]] = Counter()  # (job, version): batches generating with it
         self.released = asyncio.Condition()  # notified when a version is in use no more
@@ -209,14 +210,21 @@ class Rollout:
         Several versions of the job are then in the engine together, each batch (and each
         episode) with one; the batches are published in step order (:meth:`wait_turn`). The
         announcement is acked when this returns; a replica that dies first has it delivered again,
-        and an older announcement samples what is due (``plan_announcement``)."""
+        and an older announcement samples what is due (``plan_announcement``). Once the job is
+        cancelled or failed, the steps running end at their episodes' next turn, metered, and
+        publish nothing; they are cancelled only when a step fails."""
         job, k = spec.id, spec.grpo.max_staleness
         running: set[asyncio.Task] = set()
         try:
             async with delivery.keep_alive():
                 while True:
                     state = await read_job(self.bus, job)
-                    if state is None or state.record.state.finished or self.engine.dead:
+                    if self.engine.dead:
+                        break  # the steps running are cancelled (below): this replica restarts
+                    if state is None or state.record.state.finished:
+                        if state is None or state.record.state is not JobState.COMPLETED:
+                            self.stopped.add(job)  # deleted, cancelled or failed: no more turns
+                        await asyncio.gather(*running, return_exceptions=True)  # metered, publishing nothing
                         break
                     sampled = published_through(await sampled_version(self.bus, job), state.committed.version)
                     last = min(state.committed.version + k, spec.steps - 1)
@@ -321,10 +329,12 @@ class Rollout:
                 if lora is None:
                     return
                 async with span(self.bus, SERVICE, "eval", spec.id, version, problems=len(problems)):
-                    episodes = await asyncio.gather(*(
-                        self.episode(spec, task, ids, lora, version, i, 0, temperature=0.0)
-                        for i, ids in enumerate(prompt_ids)))
-                await report_usage(self.bus, SERVICE, spec.id, episodes_usage(episodes))
+                    async with metered(self.bus, spec.id) as started:
+                        episodes = await gather_or_cancel(*(
+                            self.episode(spec, task, ids, lora, version, i, 0, temperature=0.0, started=started)
+                            for i, ids in enumerate(prompt_ids)))
+            if spec.id in self.stopped:
+                return  # cancelled or failed meanwhile: metered, not scored
             rewards = await self.rewards(spec, [(p, self.final_turn(e)) for p, e in zip(problems, episodes)])
         except (TaskError, PoisonMessage, EventDecodeError, TimeoutError) as exc:  # an eval never fails the training
             log.warning("evaluation failed; training goes on", job=spec.id, version=version, error=str(exc))
@@ -380,6 +390,8 @@ class Rollout:
         except EventDecodeError:
             return
         if isinstance(event, JobStateChanged) and event.state.finished:
+            if event.state is not JobState.COMPLETED:  # before forget, which waits for its generation
+                self.stopped.add(event.job)
             await self.forget(event.job, final=event.state is not JobState.COMPLETED)
 
     async def give_up(self, delivery: Delivery, exc: Exception) -> None:
@@ -407,9 +419,10 @@ class Rollout:
             async with span(self.bus, SERVICE, "generate", spec.id, step, sampled_version=version,
                             problems_sha=digest([p.get("prompt", p.get("messages")) for p in problems])) as attrs:
                 frontier = self.frontier(len(prompt_ids), grpo.group_size)
-                episodes = await asyncio.gather(*(
-                    self.episode(spec, task, ids, lora, step, i, j, frontier=frontier)
-                    for i, ids in enumerate(prompt_ids) for j in range(grpo.group_size)))
+                async with metered(self.bus, spec.id) as started:
+                    episodes = await gather_or_cancel(*(
+                        self.episode(spec, task, ids, lora, step, i, j, frontier=frontier, started=started)
+                        for i, ids in enumerate(prompt_ids) for j in range(grpo.group_size)))
                 attrs["completions"] = len(episodes)
                 attrs["tokens"] = sum(len(seg.ids) for e in episodes for seg in e.segments if seg.kind == "sampled")
                 metrics = episode_metrics(episodes) if task.kind == "agentic" else {}
@@ -417,7 +430,8 @@ class Rollout:
             # the version that generated it, read while it is held: once the adapter is released (the
             # rewards below take a while) a newer version's load may unload it (bounded staleness)
             served = self.engine.served_version(spec.id, lora)
-            await report_usage(self.bus, SERVICE, spec.id, episodes_usage(episodes))
+        if spec.id in self.stopped:
+            return None  # cancelled or failed meanwhile: its episodes were cut short, and are metered
         # decoding the model's output is CPU work on untrusted ids: off the event loop
         texts = await asyncio.to_thread(lambda: [self.transcript(e) for e in episodes])
         scored = to_score(episodes, grpo.truncated)
@@ -475,9 +489,13 @@ class Rollout:
         finished: list[int] = []  # groups left unpublished: the job finished while they waited their turn
 
         async def group(i: int, ids: list[int], lora) -> None:
-            episodes = await asyncio.gather(*(self.episode(spec, task, ids, lora, step, i, j, frontier=frontier)
-                                              for j in range(grpo.group_size)))
-            await report_usage(self.bus, SERVICE, spec.id, episodes_usage(episodes))
+            async with metered(self.bus, spec.id) as started:
+                episodes = await gather_or_cancel(*(
+                    self.episode(spec, task, ids, lora, step, i, j, frontier=frontier, started=started)
+                    for j in range(grpo.group_size)))
+            if spec.id in self.stopped:
+                finished.append(i)  # cancelled or failed meanwhile: metered, never scored
+                return
             texts = await asyncio.to_thread(lambda: [self.transcript(e) for e in episodes])
             scored = to_score(episodes, grpo.truncated)
             scoring = time.time()
@@ -545,10 +563,12 @@ class Rollout:
 
     async def episode(self, spec: JobSpec, task: Task, prompt_ids: list[int], lora, step: int,
                       prompt: int, sample: int, temperature: float | None = None,
-                      frontier: Frontier | None = None) -> Episode:
+                      frontier: Frontier | None = None, started: list[Episode] | None = None) -> Episode:
         """One sample: a single turn for single-turn tasks, a tool-using episode for agentic ones
         (one adapter version, ``lora``, from its first token to its last); ``step`` seeds it.
-        ``frontier``: its batch's count, under ``rollout.dispatch = "frontier"``."""
+        ``frontier``: its batch's count, under ``rollout.dispatch = "frontier"``. ``started``: the
+        list of :func:`metered` it goes into before its first request. Once its job is cancelled
+        or failed it starts no more turns (``stopped``)."""
         grpo, rc = spec.grpo, self.config.rollout
         limits = EpisodeLimits(
             max_new_tokens=grpo.max_new_tokens,
@@ -559,6 +579,9 @@ class Rollout:
         )
         tools = ToolBox(spec.id, list(spec.tools), self.watched_request(spec.id), rc.tool_timeout_s,
                         self.engine.utilization, context=tool_context(spec, task))
+        episode = Episode(prompt_ids)
+        if started is not None:
+            started.append(episode)
         try:
             return await run_episode(
                 self.engine, self.format, prompt_ids, tools=tools, limits=limits,
@@ -566,7 +589,8 @@ class Rollout:
                 lora=lora, seed=lambda turn: sample_seed(spec, step, prompt, sample, turn),
                 ignore_eos=grpo.ignore_eos and temperature is None,  # evaluations answer freely
                 priority=frontier.of(prompt) if frontier else None, tenant=spec.tenant,
-                rank=RANKS.get(spec.priority, RANKS["normal"]))
+                rank=RANKS.get(spec.priority, RANKS["normal"]), episode=episode,
+                stopped=lambda: spec.id in self.stopped)
         finally:
             if frontier:
                 frontier.done(prompt)
@@ -625,6 +649,19 @@ class Rollout:
             raise PoisonMessage(f"env returned {len(reply.rewards)} rewards for {len(items)} completions")
         return reply.rewards
 
+
+
+@contextlib.asynccontextmanager
+async def metered(bus: Bus, job: str):
+    """A list for the episodes the body starts (:meth:`Rollout.episode`'s ``started``), whose usage
+    is reported for ``job`` when the body ends, however it ends: done, failed, or cancelled
+    half-way. So a job cancelled or failed before its batch is published is metered too, as far
+    as its episodes went (issue 48)."""
+    started: list[Episode] = []
+    try:
+        yield started
+    finally:  # shielded: a second cancellation must not lose the figures of the first
+        await asyncio.shield(report_usage(bus, SERVICE, job, episodes_usage(started)))
 
 
 def pipelined(grpo) -> bool:

@@ -246,11 +246,13 @@ class Trainer:
                                         action is GroupAction.START_OVER)
             await report_usage(self.bus, SERVICE, job, batch_usage(batch, time.monotonic() - began))
         except NonFiniteUpdate as exc:
+            await report_usage(self.bus, SERVICE, job, batch_usage(batch, time.monotonic() - began))
             await self.release(job, "term")
             self.policy.evict(job)
             await self._fail(job, version, f"non-finite update, not committed: {exc}")
             return await delivery.term()
         except Exception:  # the gradients may hold half a group: the version starts over
+            await report_usage(self.bus, SERVICE, job, UsageCounters(train_s=time.monotonic() - began))
             await self.release(job, "nak")
             self.policy.evict(job)
             raise
@@ -292,12 +294,14 @@ class Trainer:
         try:
             adapter_version, result, changed_base = await asyncio.to_thread(self._step, job, spec)
         except NonFiniteUpdate as exc:
+            await report_usage(self.bus, SERVICE, job, UsageCounters(train_s=time.monotonic() - began))
             self.policy.evict(job)
             await self._fail(job, pending.version, f"non-finite update, not committed: {exc}")
             for delivery in deliveries:
                 await delivery.term()
             return
         except Exception:
+            await report_usage(self.bus, SERVICE, job, UsageCounters(train_s=time.monotonic() - began))
             self.policy.evict(job)
             for delivery in deliveries:
                 with contextlib.suppress(Exception):
@@ -356,10 +360,12 @@ class Trainer:
                     adapter_version, result, changed_base = await asyncio.to_thread(self._train, committed, batch,
                                                                                     spec)
                 except NonFiniteUpdate as exc:
+                    await report_usage(self.bus, SERVICE, job, batch_usage(batch, time.monotonic() - began))
                     self.policy.evict(job)
                     await self._fail(job, version, f"non-finite update, not committed: {exc}")
                     return await delivery.term()
                 except Exception:  # the step may have moved the in-memory weights: never train on them
+                    await report_usage(self.bus, SERVICE, job, UsageCounters(train_s=time.monotonic() - began))
                     self.policy.evict(job)
                     raise
                 trained_s = time.monotonic() - began

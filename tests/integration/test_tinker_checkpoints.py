@@ -240,6 +240,36 @@ def test_a_tenant_keeps_a_bounded_number_of_copies(url, keys, trained):
         assert api.post("/copy_weights", json={"source_path": trained["sampler"]}).status_code == 200
 
 
+def test_concurrent_copies_cannot_pass_the_cap(url, keys, rest, trained):
+    """Issue 48, L1: 120 concurrent copy_weights once made 84 copies against MAX_COPIES = 64, each
+    request counting the copies before any was written. The cap is taken by compare-and-set before
+    a copy is made: of 120 at once, exactly the places left are copies, the rest 429s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from services.gateway.tinker_checkpoints import MAX_COPIES
+
+    def copies() -> list[str]:
+        return [c.tinker_path for c in rest["bob"].list_user_checkpoints(limit=1000).result().checkpoints
+                if c.tinker_path.startswith("tinker://copy-")]
+
+    def copy(i: int) -> httpx.Response:
+        return httpx.post(f"{url}/api/v1/copy_weights", json={"source_path": trained["sampler"]},
+                          headers={"X-API-Key": keys["bob"]}, timeout=120)
+
+    rest["alice"].publish_checkpoint_from_tinker_path(trained["sampler"]).result()  # bob may copy it
+    try:
+        held = copies()
+        with ThreadPoolExecutor(120) as pool:
+            answers = list(pool.map(copy, range(120)))
+        made = sum(answer.status_code == 200 for answer in answers)
+        assert sorted({answer.status_code for answer in answers}) == [200, 429], [a.text for a in answers][:3]
+        assert made == MAX_COPIES - len(held) and len(copies()) == MAX_COPIES
+    finally:
+        rest["alice"].unpublish_checkpoint_from_tinker_path(trained["sampler"]).result()
+        for path in copies():
+            rest["bob"].delete_checkpoint_from_tinker_path(path).result()
+
+
 def test_training_runs_are_listed_and_read_by_their_tenant_only(rest, trained):
     model_id = trained["client"].model_id
     run = rest["alice"].get_training_run(model_id).result()

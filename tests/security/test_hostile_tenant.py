@@ -927,3 +927,59 @@ def test_alices_job_trained_through_every_attack_and_alice_still_submits(alice, 
     assert alice.job(job).state in ("queued", "running")
     alice.cancel(job)
     assert answered_s < 5.0, f"alice's submit took {answered_s:.1f} s after the attacks"  # an availability bound
+
+
+# --- every unit of work metered (issue 48, item 6) ---------------------------------------------------
+
+
+def usage_of(url: str, token: str, job: str) -> dict:
+    answer = httpx.get(f"{url}/v1/usage", params={"job": job}, headers=bearer(token), timeout=30)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["total"]
+
+
+def test_a_job_cancelled_before_its_first_batch_is_metered(stack, url, tokens, mallory):
+    """M1: a job cancelled while its first batches generated (two at once, at max_staleness = 1)
+    once left no usage record: its steps were cut off and nothing reported. Now they end at their
+    episodes' next turn, report what they did and publish nothing."""
+    job = mallory.submit({**SMALL, "name": "quitter", "steps": 5, "grpo": {
+        "prompts_per_step": 16, "group_size": 16, "max_new_tokens": 256, "ignore_eos": True, "max_staleness": 1}})
+    wait_for(lambda: mallory.job(job).state == "running", 60, "mallory's job running")
+    time.sleep(1.0)  # its first batches generate (about 20 s on a 2-core CPU)
+    mallory.cancel(job)
+    assert mallory.job(job).version <= 0
+    used = wait_for(lambda: (u := usage_of(url, tokens["mallory"], job))["generated_tokens"] and u, 90,
+                    "the cancelled job's generation metered")
+    assert used["episodes"] > 0 and used["prefill_tokens"] > 0
+
+
+def gsm8k_rows(n: int) -> bytes:
+    return b"".join(b'{"question": "What is %d plus 1?", "answer": "#### %d"}\n' % (i, i + 1) for i in range(n))
+
+
+def test_a_dataset_over_the_tenants_bound_is_refused_at_once_and_a_then_chain_counts_every_link(
+        stack, url, tokens, mallory):
+    """M3: four submits naming a 62 MB, 60,000-row upload (or a `then` chain naming it) held the
+    manager 16-27 s each, another tenant's submit up to 6.4 s. Now a submission's data is bounded
+    per tenant (max_dataset_rows, 20,000 by default; max_dataset_bytes) by the uploads' records,
+    before any of it is read; the error names the bound, the file and the way out."""
+    headers = {**bearer(tokens["mallory"]), "Content-Type": "application/jsonl"}
+    big = httpx.post(f"{url}/v1/files", content=gsm8k_rows(20_001), headers=headers, timeout=120).json()["id"]
+    part = httpx.post(f"{url}/v1/files", content=gsm8k_rows(6_000), headers=headers, timeout=120).json()["id"]
+    before = jobs_of(stack)
+    try:
+        link = {"task": "gsm8k", "steps": 2, "dataset": part, "grpo": {"prompts_per_step": 2, "group_size": 2}}
+        started = time.monotonic()
+        with pytest.raises(BadRequest, match=rf"20,001 rows, above tenant mallory's bound \(max_dataset_rows = "
+                                             rf"20,000\): dataset {big} .*--max-dataset-rows N"):
+            mallory.submit({**link, "dataset": big})
+        with pytest.raises(BadRequest, match=r"24,000 rows.*then.then.then.dataset .*each link of a `then` chain"):
+            mallory.submit({**link, "then": {**link, "then": {**link, "then": link}}})
+        assert time.monotonic() - started < 10.0, "refused at once, the data unread"
+        assert jobs_of(stack) == before
+        assert mallory.submit({**link, "then": {**link, "then": link}, "steps": 1000, "name": "within"})  # 18,000
+    finally:
+        for job in set(jobs_of(stack)) - set(before):
+            mallory.cancel(job)
+        for file_id in (big, part):
+            httpx.delete(f"{url}/v1/files/{file_id}", headers=bearer(tokens["mallory"]), timeout=30)

@@ -1,18 +1,23 @@
 """Bounds on what one submission costs the manager (issue 35, F1, F8, the idempotency key): the
 pure sizing functions, the job id a key gives, the cut of stored error texts, and which finished
-jobs go; and the manager refusing an oversized ``system`` before any tokenizer runs."""
+jobs go; the manager refusing an oversized ``system`` before any tokenizer runs, and data over its
+tenant's bounds before any of it is read (issue 48, M3)."""
 
 from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
 from marlaas.platform import limits
 from marlaas.platform.api import SubmitError, parse_submission
 from marlaas.platform.config import load_config
+from marlaas.platform.files import DataFiles, put_file
 from marlaas.platform.store import FileStore
-from services.manager import sizing
+from marlaas.platform.tenants import TenantRecord
+from marlaas.tasks import get_task
+from services.manager import sizing, validation
 from services.manager.service import Manager, job_id, oldest_beyond
 
 
@@ -135,3 +140,75 @@ def test_a_long_idempotency_key_is_refused(manager):
     job = {"task": "addition", "steps": 2, "tenant": "acme", "idempotency_key": "k" * 129}
     with pytest.raises(SubmitError, match="idempotency_key must be at most 128 characters"):
         manager.validate(parse_submission(job))
+
+
+# --- the data a submission names (issue 48, M3) ------------------------------------------------------
+
+
+def sized(field: str, rows: int, size: int, ref: str = "file-" + "a" * 32) -> validation.DataSize:
+    return validation.DataSize(field, ref, rows, size)
+
+
+def test_the_data_a_submission_names_is_bounded_by_its_tenants_rows_and_bytes():
+    assert validation.data_refusal([sized("dataset", 20_000, 16 << 20)], "acme", 20_000, 16 << 20) == ""
+    rows = validation.data_refusal([sized("dataset", 60_000, 1000)], "acme", 20_000, 16 << 20)
+    assert rows.startswith("the data this submission names is 60,000 rows, above tenant acme's bound "
+                           "(max_dataset_rows = 20,000): dataset file-aaaa")
+    assert "a sample of its rows" in rows and "`marlaas tenant set acme --max-dataset-rows N`" in rows
+    size = validation.data_refusal([sized("dataset", 10, 62_000_000)], "acme", 20_000, 16 << 20)
+    assert "62,000,000 bytes, above tenant acme's bound (max_dataset_bytes = 16,777,216)" in size
+    assert "--max-dataset-bytes N" in size and "then" not in size
+
+
+def test_a_then_chain_counts_the_data_of_every_link():
+    """Four links naming one 6,000-row file read it four times: 24,000 rows, past 20,000."""
+    chain = [sized(field, 6_000, 1 << 20) for field in ("dataset", "then.dataset", "then.then.dataset",
+                                                         "then.then.then.dataset")]
+    assert validation.data_refusal(chain[:3], "acme", 20_000, 16 << 20) == ""
+    refusal = validation.data_refusal(chain, "acme", 20_000, 16 << 20)
+    assert "24,000 rows" in refusal and "then.then.then.dataset file-aaaa" in refusal
+    assert "each link of a `then` chain reads its data again" in refusal and "fewer follow-ups" in refusal
+
+
+def test_every_data_field_of_every_link_is_named():
+    request = parse_submission({"task": "gsm8k", "steps": 2, "tenant": "acme", "dataset": "file-1",
+                                "eval_dataset": "file-2", "eval_every": 1,
+                                "then": {"task": "gsm8k", "steps": 2, "dataset": "file-1",
+                                         "then": {"task": "search_qa", "steps": 2, "dataset": "file-3",
+                                                  "corpus": "file-4"}}})
+    chain = validation.submission_chain(request)
+    assert [where for where, _ in chain] == ["", "then", "then.then"]
+    assert validation.data_refs(chain) == [("dataset", "file-1"), ("eval_dataset", "file-2"),
+                                           ("then.dataset", "file-1"), ("then.then.dataset", "file-3"),
+                                           ("then.then.corpus", "file-4")]
+
+
+def test_a_path_is_sized_by_its_bytes_and_counted_lines_only_within_the_bound(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b'{"a": 1}\n\n{"a": 2}')  # a blank line, and a last line without its newline
+    files = DataFiles(None, tmp_path / "cache", get_task)
+    assert files.size("acme", str(data), count_within=1 << 20) == (3, data.stat().st_size)
+    assert files.size("acme", str(data), count_within=4) == (0, data.stat().st_size)
+    assert files.size("acme", str(tmp_path / "missing.jsonl"), count_within=1 << 20) is None
+
+
+def test_a_dataset_over_the_tenants_bound_is_refused_before_it_is_read(manager, monkeypatch):
+    """M3: four submits naming a 60,000-row, 62 MB upload once held the manager 16-27 s each. The
+    upload's record says its rows and bytes; the submission is refused by them, its data unread."""
+    rows = "".join(json.dumps({"question": f"What is {i} plus 1?", "answer": f"#### {i + 1}"}) + "\n"
+                   for i in range(300))
+    uploaded = put_file(manager.store, "acme", rows.encode(), "big.jsonl")
+    tenant = TenantRecord(name="acme", token_sha256="", max_dataset_rows=1_000, max_dataset_bytes=1 << 20)
+    link = {"task": "gsm8k", "steps": 2, "dataset": uploaded.id}
+    job = {**link, "tenant": "acme"}
+
+    def unread(*args):
+        raise AssertionError("read the data of a submission over its tenant's bound")
+
+    monkeypatch.setattr(manager.files, "task", unread)
+    chained = {**job, "then": {**link, "then": {**link, "then": link}}}  # 4 links x 300 rows
+    with pytest.raises(SubmitError, match=r"is 1,200 rows, above tenant acme's bound \(max_dataset_rows = 1,000\)"):
+        manager.validate(parse_submission(chained), tenant)
+    small = msgspec.structs.replace(tenant, max_dataset_bytes=uploaded.size - 1)
+    with pytest.raises(SubmitError, match=rf"is {uploaded.size:,} bytes, above .*max_dataset_bytes"):
+        manager.validate(parse_submission(job), small)

@@ -1,18 +1,22 @@
 """The pure parts of the Tinker checkpoint API: who may read a checkpoint, TTLs and which checkpoints
 have expired (``libs/marlaas/platform/tinker_records.py``), the SDK's checkpoint URLs
-(``services/gateway/tinker_checkpoints.py``), and the JWTs and download URLs the gateway signs
-(``services/gateway/tinker_auth.py``)."""
+(``services/gateway/tinker_checkpoints.py``) and its cap on copies, and the JWTs and download URLs
+the gateway signs (``services/gateway/tinker_auth.py``)."""
 
 from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 from marlaas.platform import tinker_records as wire
+from marlaas.platform.bus import KvEntry, StaleRevision
 from marlaas.platform.events import Blob
 from services.gateway import tinker_auth
 from services.gateway.app import ApiError
 from services.gateway.tinker_api import checkpoint_entry
-from services.gateway.tinker_checkpoints import checkpoint_target
+from services.gateway.tinker_checkpoints import COPY_QUOTA, MAX_COPIES, checkpoint_target
 
 KEY = tinker_auth.derived_key("an-operator-token-of-enough-length", tinker_auth.URL_LABEL)
 
@@ -87,3 +91,54 @@ def test_a_download_url_holds_only_unchanged_and_unexpired():
                ("alice", path, file, "2000", "ü")]
     for fields in changed:
         assert "signature does not match" in tinker_auth.url_problem(KEY, *fields, now=1999.0), fields
+
+
+class RacingKv:
+    """The bus's KV calls in memory, each yielding to the event loop first, as a round trip to the
+    broker does: concurrent requests interleave between their reads and their writes."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[str, str], KvEntry] = {}
+
+    async def kv_get(self, bucket: str, key: str) -> KvEntry | None:
+        await asyncio.sleep(0)
+        return self.entries.get((bucket, key))
+
+    async def kv_keys(self, bucket: str, under: str = "") -> list[str]:
+        await asyncio.sleep(0)
+        return sorted(k for b, k in self.entries if b == bucket and k.startswith(f"{under}."))
+
+    async def kv_create(self, bucket: str, key: str, value: bytes) -> int:
+        return await self.kv_update(bucket, key, value, 0)
+
+    async def kv_update(self, bucket: str, key: str, value: bytes, revision: int) -> int:
+        await asyncio.sleep(0)
+        entry = self.entries.get((bucket, key))
+        if (entry.revision if entry else 0) != revision:
+            raise StaleRevision(f"{bucket}/{key} is no longer at revision {revision}")
+        self.entries[(bucket, key)] = KvEntry(value=value, revision=revision + 1)
+        return revision + 1
+
+
+def test_concurrent_copies_take_the_cap_by_compare_and_set():
+    """Issue 48, L1: 120 concurrent copy_weights made 84 copies against MAX_COPIES = 64, each counting
+    the tenant's copies before any was written. The copy's place is taken first, by compare-and-set
+    on the tenant's holdings: of 120 at once exactly MAX_COPIES win, and a place is given back when
+    its copy was not made (or is deleted)."""
+    gateway = SimpleNamespace(bus=RacingKv())
+
+    async def take(run: str) -> int:
+        try:
+            await COPY_QUOTA.reserve(gateway, "mallory", run)
+        except ApiError as exc:
+            assert exc.status_code == 429 and "you keep 64 copied checkpoints" in str(exc.detail), exc.detail
+            return 429
+        return 200
+
+    async def scenario() -> list[int]:
+        answers = await asyncio.gather(*(take(f"copy-{i:024x}") for i in range(120)))
+        await COPY_QUOTA.release(gateway, "mallory", "copy-" + "0" * 24)  # that copy failed: not stored
+        return [*answers, await take("copy-" + "f" * 24)]
+
+    answers = asyncio.run(scenario())
+    assert answers[:120].count(200) == MAX_COPIES == 64 and answers[-1] == 200

@@ -253,6 +253,15 @@ def delete_file(store: ObjectStore, tenant: str, file_id: str) -> bool:
     return True
 
 
+def count_lines(path: Path, chunk_bytes: int = 1 << 20) -> int:
+    """The lines of the file at ``path`` (a last one without its newline too), read a chunk at a time."""
+    lines, last = 0, b"\n"
+    with open(path, "rb") as data:
+        while chunk := data.read(chunk_bytes):
+            lines, last = lines + chunk.count(b"\n"), chunk[-1:]
+    return lines + (last != b"\n")
+
+
 FILES_BUCKET = "files"  # KV: per tenant, the ids its file quota counts (FileHoldings)
 RESERVATION_GRACE_S = 300.0  # an id reserved this long ago whose file is not stored was a crashed upload
 
@@ -306,6 +315,20 @@ class DataFiles:
         if not path.is_file():  # written whole or not at all: readers never see half of it
             self.store.get_file(data_key(tenant, ref), path, record.sha256, durable=False)
         return str(path)
+
+    def size(self, tenant: str, ref: str, count_within: int) -> tuple[int, int] | None:
+        """The records and bytes of a job's data field, known without reading its data: an uploaded
+        file's from its record (counted at upload); a path's bytes from the file system, and its
+        records counted as lines (an upper bound) only when it is within ``count_within`` bytes
+        (past them, its bytes say enough). None: no such file (reading the job's data says so)."""
+        if is_file_id(ref):
+            record = read_file_record(self.store, tenant, ref)
+            return None if record is None else (record.records, record.size)
+        path = Path(ref).expanduser()
+        if not path.is_file():
+            return None
+        size = path.stat().st_size
+        return (count_lines(path) if size <= count_within else 0), size
 
     def task(self, tenant: str, name: str, dataset: str | None, corpus: str | None = None):
         """The task ``name`` over the job's data; an error names the file as the job did (its id),

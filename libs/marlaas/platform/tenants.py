@@ -37,6 +37,11 @@ DEFAULT_MAX_JOBS = 8
 # samples per version (grpo.prompts_per_step x grpo.group_size) of any one job of the tenant: one
 # tenant's 64 x 64 job would otherwise hold the shared engine for as long as 64 jobs of 8 x 8
 DEFAULT_MAX_SAMPLES = 256
+# the data one submission names, summed over its data fields (dataset, eval_dataset, corpus) and every
+# link of its ``then`` chain: the manager reads and checks all of it before it answers (four submits
+# naming a 60,000-row, 62 MB dataset once took 16-27 s each, and held up other tenants', issue 48)
+DEFAULT_MAX_DATASET_ROWS = 20_000
+DEFAULT_MAX_DATASET_BYTES = 16 << 20
 # names the platform speaks for: the built-in namespace (tools, rewards), its services and their
 # broker user, and NATS' own account and inbox prefixes
 RESERVED_NAMES = ("builtin", "judge", nats_access.SERVICES_USER, nats_access.SANDBOX_USER, "platform", "sys")
@@ -55,6 +60,8 @@ class TenantRecord(Wire):
     token_bcrypt: str = ""  # the broker's copy (auth.conf); "" = no NATS user (an older record)
     max_jobs: int = DEFAULT_MAX_JOBS  # jobs queued or running at once
     max_samples: int = DEFAULT_MAX_SAMPLES  # samples per version of one job
+    max_dataset_rows: int = DEFAULT_MAX_DATASET_ROWS  # rows of the data one submission names, every link
+    max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES  # ... and their bytes
     weight: float = 1.0  # its share where tenants take turns (engine, trainer, tools, Tinker), against the others'
     created_at: float = 0.0
     revoked_at: float = 0.0
@@ -104,15 +111,20 @@ def tenant_of_token(token: str) -> str | None:
 
 
 async def add_tenant(bus: Bus, name: str, max_jobs: int = DEFAULT_MAX_JOBS,
-                     max_samples: int = DEFAULT_MAX_SAMPLES) -> tuple[TenantRecord, str]:
+                     max_samples: int = DEFAULT_MAX_SAMPLES, max_dataset_rows: int = DEFAULT_MAX_DATASET_ROWS,
+                     max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES) -> tuple[TenantRecord, str]:
     """Create tenant ``name``; return its record and its token (shown once, stored only hashed)."""
     check_tenant_name(name)
     if max_jobs < 1:
         raise TenantError(f"--max-jobs must be at least 1 (got {max_jobs})")
     if max_samples < 2:
         raise TenantError(f"--max-samples must be at least 2, one GRPO group (got {max_samples})")
+    for flag, n in (("--max-dataset-rows", max_dataset_rows), ("--max-dataset-bytes", max_dataset_bytes)):
+        if n < 1:
+            raise TenantError(f"{flag} must be at least 1 (got {n})")
     token = new_token(name)
     record = TenantRecord(name=name, token_sha256=token_sha256(token), max_jobs=max_jobs, max_samples=max_samples,
+                          max_dataset_rows=max_dataset_rows, max_dataset_bytes=max_dataset_bytes,
                           token_bcrypt=nats_access.bcrypt_hash(token), created_at=time.time())
     try:
         await bus.kv_create(TENANTS_BUCKET, name, encode(record))
@@ -223,13 +235,16 @@ def check_weight(weight: float) -> float:
 
 
 async def set_tenant(bus: Bus, name: str, weight: float | None = None, max_jobs: int | None = None,
-                     max_samples: int | None = None, paused: bool | None = None) -> TenantRecord:
+                     max_samples: int | None = None, paused: bool | None = None, max_dataset_rows: int | None = None,
+                     max_dataset_bytes: int | None = None) -> TenantRecord:
     """Change ``name``'s weight or quotas, or pause or resume it (compare-and-set: a concurrent
     change is read again). A paused tenant's queued work (trajectory batches, Tinker requests)
     waits untouched until it is resumed; what is in hand finishes."""
     if weight is not None:
         check_weight(weight)
-    for n, what in ((max_jobs, "max_jobs"), (max_samples, "max_samples")):
+    quotas = {"max_jobs": max_jobs, "max_samples": max_samples, "max_dataset_rows": max_dataset_rows,
+              "max_dataset_bytes": max_dataset_bytes}
+    for what, n in quotas.items():
         if n is not None and n < 1:
             raise TenantError(f"{what} {n}: give a whole number of at least 1")
     while True:
@@ -237,8 +252,7 @@ async def set_tenant(bus: Bus, name: str, weight: float | None = None, max_jobs:
         if entry is None:
             raise TenantError(f"no tenant {name!r} (`marlaas tenant list`)")
         record = TENANT.decode(entry.value)
-        changes = {k: v for k, v in (("weight", weight), ("max_jobs", max_jobs), ("max_samples", max_samples))
-                   if v is not None}
+        changes = {k: v for k, v in (("weight", weight), *quotas.items()) if v is not None}
         if paused is not None and paused != record.paused:
             changes["paused_at"] = time.time() if paused else 0.0
         record = msgspec.structs.replace(record, **changes)

@@ -49,12 +49,14 @@ def add_tenant_commands(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-jobs", type=int, default=None, help="jobs queued or running at once")
     p.add_argument("--max-samples", type=int, default=None,
                    help="samples per version of one job (grpo.prompts_per_step x grpo.group_size)")
+    data_bounds(p)
     p = action("set", cmd_set, "change a tenant's weight (its share where tenants take turns) or quotas")
     p.add_argument("name")
     p.add_argument("--weight", type=float, default=None,
                    help="its share against the others' (default 1): 2 gets twice a tenant of 1 while both wait")
     p.add_argument("--max-jobs", type=int, default=None, help="jobs queued or running at once")
     p.add_argument("--max-samples", type=int, default=None, help="samples per version of one job")
+    data_bounds(p)
     p = action("pause", cmd_pause, "pause a tenant: its jobs keep their state, their queued batches and Tinker "
                "requests wait (what is in hand finishes) until `marlaas tenant resume`")
     p.add_argument("name")
@@ -142,6 +144,14 @@ def _broker_note(outcome: str) -> str:
     }[outcome]
 
 
+def data_bounds(p: argparse.ArgumentParser) -> None:
+    """The flags of the bounds on the data one submission names (summed over its ``then`` chain)."""
+    p.add_argument("--max-dataset-rows", type=int, default=None,
+                   help="rows of the data files one submission names, every link of its `then` chain counted")
+    p.add_argument("--max-dataset-bytes", type=int, default=None,
+                   help="bytes of the data files one submission names, every link of its `then` chain counted")
+
+
 def _print_json(obj) -> None:
     print(json.dumps(obj))
 
@@ -150,12 +160,12 @@ def _print_json(obj) -> None:
 
 
 def cmd_add(args, config: Config) -> int:
-    from marlaas.platform.tenants import DEFAULT_MAX_JOBS, DEFAULT_MAX_SAMPLES, add_tenant, tinker_api_key
+    from marlaas.platform.tenants import add_tenant, tinker_api_key
 
     async def go(bus, url):
-        max_jobs = DEFAULT_MAX_JOBS if args.max_jobs is None else args.max_jobs
-        max_samples = DEFAULT_MAX_SAMPLES if args.max_samples is None else args.max_samples
-        record, token = await add_tenant(bus, args.name, max_jobs, max_samples)
+        given = {k: getattr(args, k) for k in ("max_jobs", "max_samples", "max_dataset_rows", "max_dataset_bytes")
+                 if getattr(args, k) is not None}
+        record, token = await add_tenant(bus, args.name, **given)
         try:
             outcome = await _sync_broker(bus, url, config, args)
         except Exception as exc:  # the tenant exists now: its token must still be shown
@@ -188,20 +198,24 @@ def cmd_set(args, config: Config) -> int:
             print(f"error: {error}", file=sys.stderr)
         return 2
 
-    if args.weight is None and args.max_jobs is None and args.max_samples is None:
-        return refuse("say what to change: --weight W, --max-jobs N or --max-samples N")
+    changes = {k: getattr(args, k) for k in ("weight", "max_jobs", "max_samples", "max_dataset_rows",
+                                             "max_dataset_bytes") if getattr(args, k) is not None}
+    if not changes:
+        return refuse("say what to change: --weight W, --max-jobs N, --max-samples N, --max-dataset-rows N or "
+                      "--max-dataset-bytes N")
     try:
-        record = asyncio.run(_with_bus(config, lambda bus, url: set_tenant(
-            bus, args.name, weight=args.weight, max_jobs=args.max_jobs, max_samples=args.max_samples)))
+        record = asyncio.run(_with_bus(config, lambda bus, url: set_tenant(bus, args.name, **changes)))
     except TenantError as exc:
         return refuse(str(exc))
     row = {"tenant": record.name, "weight": record.weight, "max_jobs": record.max_jobs,
-           "max_samples": record.max_samples}
+           "max_samples": record.max_samples, "max_dataset_rows": record.max_dataset_rows,
+           "max_dataset_bytes": record.max_dataset_bytes}
     if args.json:
         _print_json(row)
     else:
         print(f"tenant {record.name}: weight {record.weight:g}, max {record.max_jobs} jobs at once, "
-              f"{record.max_samples} samples per version (the queues read the weight within 5 s)")
+              f"{record.max_samples} samples per version, {record.max_dataset_rows} rows and "
+              f"{record.max_dataset_bytes} bytes of data per submission (the queues read the weight within 5 s)")
     return 0
 
 
@@ -255,6 +269,7 @@ def cmd_list(args, config: Config) -> int:
 
     records = asyncio.run(_with_bus(config, lambda bus, url: list_tenants(bus)))
     rows = [{"name": r.name, "active": r.active, "max_jobs": r.max_jobs, "max_samples": r.max_samples,
+             "max_dataset_rows": r.max_dataset_rows, "max_dataset_bytes": r.max_dataset_bytes,
              "weight": r.weight, "paused": r.paused, "created_at": r.created_at,
              "revoked_at": r.revoked_at} for r in records]
     if args.json:
