@@ -60,7 +60,7 @@ async def adapters(engine: PolicyEngine, config, tmp_path, count: int) -> list:
         config_json, weights = init_adapter(config.base_model_dir, LoraSettings(rank=8), seed=j)
         generator = torch.Generator().manual_seed(100 + j)
         tensors = {name: t + 0.3 * torch.randn(t.shape, generator=generator) if "lora_B" in name else t
-                   for name, t in load(weights).items()}
+                   for name, t in sorted(load(weights).items())}  # sorted: safetensors' order varies by process
         blob = write_adapter(store, f"t.j{j}", 0, config_json, save(tensors))
         loras.append(await engine.use_adapter(f"t.j{j}", 0, materialize(store, blob, tmp_path / f"a{j}")))
     return loras

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from types import SimpleNamespace
+
 import pytest
 import torch
 from vllm.lora.ops import torch_ops as vllm_ops
@@ -113,6 +116,11 @@ def test_register_swaps_the_cpu_wrapper_ops_only_when_asked(monkeypatch):
     from marlaas import vllm_plugin
     from marlaas.vllm_plugin import fused_linear
 
+    # register() also wraps vLLM's CPU model runner (tests/unit/test_vllm_prompt_logprobs.py), whose module's
+    # import runs a subprocess: a stand-in here
+    runner = type("CPUModelRunner", (), {"_get_prompt_logprobs_dict": lambda self, *args: {}})
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.cpu_model_runner", SimpleNamespace(CPUModelRunner=runner))
+    monkeypatch.setattr(punica_cpu.PunicaWrapperCPU, "add_lora_logits", punica_cpu.PunicaWrapperCPU.add_lora_logits)
     # vLLM's own ops and method, even when an earlier test in this process loaded the plugin
     originals = {name: getattr(vllm_ops, name) for name in vllm_plugin.OPS}
     installed = punica_cpu.PunicaWrapperCPU.add_lora_linear

@@ -77,6 +77,8 @@ def lora_matmul(x_B_I: torch.Tensor, weights_L_O_I: torch.Tensor, groups: Groups
     tokens = sum(rows.numel() for _, rows in groups)
     if x_B_I.shape[0] == 1 and tokens > 1:  # one input row for many tokens: einsum's broadcast
         x_B_I = x_B_I.expand(tokens, -1)
+    if x_B_I.shape[0] != tokens:  # vLLM's einsum fails here too; rows left out would be garbage
+        raise ValueError(f"LoRA inputs of {x_B_I.shape[0]} rows with a mapping of {tokens} tokens")
     out_B_O = torch.empty(x_B_I.shape[0], weights_L_O_I.shape[1], dtype=dtype, device=x_B_I.device)
     for slot, rows in groups:
         out_B_O[rows] = x_B_I[rows] @ weights_L_O_I[slot].to(dtype).T
