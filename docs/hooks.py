@@ -82,7 +82,8 @@ def http_reference() -> str:
     import types
 
     from marlaas.platform.config import Config
-    from services.gateway.app import api_schema, create_app
+    from services.gateway.app import create_app
+    from services.gateway.operations import api_schema
 
     schema = api_schema(create_app(types.SimpleNamespace(config=Config())))
     rows = ["| method | path | what it does | answers |", "|---|---|---|---|"]

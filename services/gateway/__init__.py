@@ -1,1 +1,1 @@
-"""The tenants' HTTP API: a stateless ASGI app in front of the bus (see ``app.py``)."""
+"""The tenants' HTTP API: a stateless ASGI app in front of the bus (``app.py`` assembles it)."""

@@ -43,7 +43,7 @@ from marlaas.platform.config import Config
 from marlaas.platform.http_api import AdapterDeleted, AdapterInfo
 from marlaas.platform.store import make_private_dirs
 from marlaas.platform.tenants import TenantRecord
-from services.gateway.app import ApiError, Slots, gateway_of
+from services.gateway.context import ApiError, Slots, gateway_of
 from services.gateway.files import Quota, in_store
 
 MAX_BODY_BYTES = MAX_ARCHIVE_BYTES  # an upload as sent (gzip barely shrinks float weights)

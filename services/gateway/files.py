@@ -45,7 +45,7 @@ from marlaas.platform.files import (
 from marlaas.platform.http_api import FileDeleted, FileInfo
 from marlaas.platform.store import make_private_dirs
 from marlaas.platform.tenants import TenantRecord
-from services.gateway.app import ApiError, Gateway, gateway_of
+from services.gateway.context import ApiError, Gateway, gateway_of
 
 CHECK_BYTES = 256 * 1024  # the body is checked and written in pieces of about this size, off the event loop
 CAS_TRIES = 100  # compare-and-set rounds on a tenant's holdings: each round one of its racing uploads wins

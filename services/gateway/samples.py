@@ -15,7 +15,7 @@ from marlaas.platform.http_api import VersionSamples
 from marlaas.platform.samples import read_samples, sampled_versions
 from marlaas.platform.store import ObjectNotFound
 from marlaas.platform.tenants import TenantRecord
-from services.gateway.app import ApiError, gateway_of
+from services.gateway.context import ApiError, gateway_of
 from services.gateway.views import owned, version_number
 
 

@@ -18,7 +18,8 @@ import uvicorn
 
 from marlaas.platform.config import Config
 from marlaas.platform.runtime import Runtime
-from services.gateway.app import Gateway, create_app
+from services.gateway.app import create_app
+from services.gateway.context import Gateway
 from services.gateway.metrics import StackMetrics
 
 log = structlog.get_logger("gateway")

@@ -38,7 +38,7 @@ from marlaas.platform.adapters import read_adapter
 from marlaas.platform.store import ObjectNotFound
 from marlaas.platform.tenants import TenantRecord, authenticate, get_tenant, tinker_api_key
 from services.gateway import tinker_auth
-from services.gateway.app import ApiError, Gateway, gateway_of, json_object
+from services.gateway.context import ApiError, Gateway, gateway_of, json_object
 
 KEY_PREFIX = tinker_api_key("")  # "tml-"
 POLL_S = 10.0  # a retrieve_future waits this long for a pending future (the SDK's read timeout is 45 s)

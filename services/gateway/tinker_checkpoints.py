@@ -32,7 +32,7 @@ from marlaas.platform.bus import StaleRevision
 from marlaas.platform.store import ObjectNotFound, ObjectStore
 from marlaas.platform.tenants import TenantRecord, get_tenant
 from services.gateway import tinker_auth
-from services.gateway.app import ApiError, gateway_of
+from services.gateway.context import ApiError, gateway_of
 from services.gateway.files import Quota
 from services.gateway.tinker_api import (
     body_json,

@@ -22,7 +22,8 @@ from marlaas.platform.bus import USAGE_BUCKET, Bus
 from marlaas.platform.events import EventDecodeError
 from marlaas.platform.files import list_files
 from marlaas.platform.usage import USAGE_RECORD, UsageRecord, UsageReport, summarize
-from services.gateway.app import ApiError, authenticated_tenant, gateway_of
+from services.gateway.auth import authenticated_tenant
+from services.gateway.context import ApiError, gateway_of
 from services.gateway.reads import read_messages
 
 log = structlog.get_logger("gateway")

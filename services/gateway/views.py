@@ -17,7 +17,7 @@ from marlaas.platform.events import PolicyCommitted
 from marlaas.platform.http_api import Cancelled, Deleted, JobInfo, PhaseSpan, Pinned, Submitted, VersionInfo
 from marlaas.platform.store import ObjectNotFound
 from marlaas.platform.tenants import TenantRecord
-from services.gateway.app import ApiError, gateway_of, not_found
+from services.gateway.context import ApiError, gateway_of, not_found
 from services.gateway.event_stream import BadEventId, JobEvents, parse_event_id
 from services.gateway.reads import (
     committed_versions,

@@ -28,7 +28,8 @@ from marlaas.platform.tenants import add_tenant
 from marlaas.sdk import Client
 from marlaas.sdk.http import with_absolute_paths
 from services.gateway import adapters as gateway_adapters
-from services.gateway.app import Gateway, create_app
+from services.gateway.app import create_app
+from services.gateway.context import Gateway
 from services.gateway.metrics import StackMetrics
 from tests.archives import member, pax_bomb, tar_gz
 

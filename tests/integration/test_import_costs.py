@@ -34,7 +34,7 @@ def test_the_gateway_app_loads_no_torch_until_a_tinker_training_call():
     ``forward_backward`` only (``tinker_api.tinker_messages``)."""
     probe = ("import sys; from marlaas.platform.config import load_config; "
              "from services.gateway.app import create_app; import services.gateway.service; "
-             "from services.gateway.app import Gateway; from services.gateway.metrics import StackMetrics; "
+             "from services.gateway.context import Gateway; from services.gateway.metrics import StackMetrics; "
              "create_app(Gateway(None, None, load_config(env={}), StackMetrics())); "
              "before = sorted({'torch', 'tinker', 'transformers'} & set(sys.modules)); "
              "from services.gateway.tinker_api import tinker_messages; tinker_messages().ForwardBackwardRequest(); "

@@ -403,7 +403,7 @@ def ready_file_name(service: str) -> str:
 
 
 def gateway_routes() -> set[str]:
-    tree = ast.parse((ROOT / "services" / "gateway" / "app.py").read_text())
+    tree = ast.parse((ROOT / "services" / "gateway" / "operations.py").read_text())
     return {d.args[0].value for node in ast.walk(tree) if isinstance(node, ast.AsyncFunctionDef)
             for d in node.decorator_list if isinstance(d, ast.Call) and getattr(d.func, "id", None) == "get"
             and d.args and isinstance(d.args[0], ast.Constant)}

@@ -27,7 +27,8 @@ from marlaas.platform.tenants import add_tenant
 from marlaas.sdk import Client
 from marlaas.tasks import get_task
 from services.env.rewards import RewardBook
-from services.gateway.app import Gateway, create_app
+from services.gateway.app import create_app
+from services.gateway.context import Gateway
 from services.gateway.metrics import StackMetrics
 from services.manager.service import Manager, _reply
 

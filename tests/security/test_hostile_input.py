@@ -18,7 +18,8 @@ from marlaas.platform.bus import JOBS_BUCKET
 from marlaas.platform.config import load_config
 from marlaas.platform.events import JOB_RECORD, JobRecord, JobSpec, JobState, encode
 from marlaas.platform.tenants import add_tenant
-from services.gateway.app import Gateway, create_app
+from services.gateway.app import create_app
+from services.gateway.context import Gateway
 from services.gateway.metrics import StackMetrics
 from services.manager.job_admin import pin_version
 from services.manager.service import Manager, _reply

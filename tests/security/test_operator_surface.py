@@ -18,7 +18,8 @@ import pytest
 from marlaas.platform.config import load_config
 from marlaas.platform.tenants import add_tenant
 from marlaas.stack.launcher import Stack
-from services.gateway.app import Gateway, create_app
+from services.gateway.app import create_app
+from services.gateway.context import Gateway
 from services.gateway.metrics import StackMetrics
 from services.gateway.service import operator_token
 

@@ -16,7 +16,7 @@ from marlaas.platform.files import (
     count_records,
     plan_reservation,
 )
-from services.gateway.app import MAX_JSON_NESTING, ApiError, Slots, json_object, path_problem
+from services.gateway.context import MAX_JSON_NESTING, ApiError, Slots, json_object, path_problem
 
 
 def fed(data: bytes, piece: int, max_line_bytes: int = 1 << 20) -> tuple[str, int]:
@@ -145,7 +145,7 @@ def test_json_bodies_within_the_nesting_limit_are_read():
 def test_a_broker_that_refuses_a_reader_is_a_503_that_says_retry():
     from types import SimpleNamespace
 
-    from services.gateway.app import error_answer
+    from services.gateway.context import error_answer
     from services.gateway.reads import BrokerRefused
 
     request = SimpleNamespace(method="GET", url=SimpleNamespace(path="/v1/jobs"))
@@ -158,7 +158,8 @@ async def test_the_app_answers_bad_paths_with_a_400_before_any_handler():
     import httpx
 
     from marlaas.platform.config import load_config
-    from services.gateway.app import Gateway, create_app
+    from services.gateway.app import create_app
+    from services.gateway.context import Gateway
     from services.gateway.metrics import StackMetrics
 
     app = create_app(Gateway(None, None, load_config(env={}), StackMetrics()))  # no bus: nothing may reach it

@@ -14,7 +14,7 @@ from marlaas.platform import tinker_records as wire
 from marlaas.platform.bus import KvEntry, StaleRevision
 from marlaas.platform.events import Blob
 from services.gateway import tinker_auth
-from services.gateway.app import ApiError
+from services.gateway.context import ApiError
 from services.gateway.tinker_api import checkpoint_entry
 from services.gateway.tinker_checkpoints import COPY_QUOTA, MAX_COPIES, checkpoint_target
 

@@ -8,7 +8,7 @@ import pytest
 import zstandard
 
 from marlaas.platform import tinker_records as wire
-from services.gateway.app import ApiError
+from services.gateway.context import ApiError
 from services.gateway.tinker_api import unzstd
 
 
