@@ -9,7 +9,6 @@ straight from JetStream like job records.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import re
 from typing import Annotated
 
@@ -22,7 +21,7 @@ from marlaas.platform.bus import USAGE_BUCKET, Bus
 from marlaas.platform.events import EventDecodeError
 from marlaas.platform.files import list_files
 from marlaas.platform.usage import USAGE_RECORD, UsageRecord, UsageReport, summarize
-from services.gateway.auth import authenticated_tenant
+from services.gateway.auth import authenticated_tenant, is_operator
 from services.gateway.context import ApiError, gateway_of
 from services.gateway.reads import read_messages
 
@@ -47,14 +46,6 @@ async def usage_records(bus: Bus, tenant: str = "") -> list[UsageRecord]:
         if not tenant or record.tenant == tenant:
             found.append(record)
     return found
-
-
-def is_operator(request: Request) -> bool:
-    """Whether the request carries the operator's token."""
-    scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
-    expected = gateway_of(request).operator_token
-    return (scheme.lower() == "bearer" and bool(expected) and bool(token.strip())
-            and hmac.compare_digest(token.strip().encode(), expected.encode()))
 
 
 @get("/usage", summary="What your jobs used, by job and by day",
