@@ -25,6 +25,7 @@ from litestar.exceptions import HTTPException, NotFoundException, ValidationExce
 
 from marlaas.platform.bus import Bus
 from marlaas.platform.config import Config
+from marlaas.platform.limits import MAX_JSON_NESTING
 from marlaas.platform.store import ObjectStore
 from services.gateway.metrics import StackMetrics
 from services.gateway.reads import BrokerRefused, RecordsSnapshot
@@ -33,7 +34,6 @@ log = structlog.get_logger("gateway")
 MANAGER_TIMEOUT_S = 60.0  # a submission may wait for an admission pass (version 0 is written in it)
 API_HELP = "the API is /v1/jobs and the paths under it (docs/using.md, 'HTTP API'; the operator has /openapi.json)"
 MAX_PATH_BYTES = 2048  # a request path, percent-escapes decoded: ids are short, the longest real one ~200
-MAX_JSON_NESTING = 64  # levels of arrays / objects in a JSON body; the SDKs' deepest is under 10
 
 
 class ApiError(HTTPException):
@@ -60,7 +60,7 @@ def json_object(raw: bytes, example: str = '{"session_id": "..."}') -> dict:
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are both
         raise ApiError(400, f"the body is not JSON ({exc}): send one JSON object, e.g. {example}") from None
     else:
-        deep = nesting_over(body, MAX_JSON_NESTING)
+        deep = nesting_over(body)
     if deep:
         raise ApiError(400, f"the body is nested more than {MAX_JSON_NESTING} levels deep (arrays and objects "
                             f"within each other): send one flat JSON object, e.g. {example}")
@@ -69,9 +69,9 @@ def json_object(raw: bytes, example: str = '{"session_id": "..."}') -> dict:
     return body
 
 
-def nesting_over(value, limit: int) -> bool:
-    """Whether ``value`` holds lists and dicts more than ``limit`` levels deep (iterative: a
-    recursive walk of a hostile body would itself overflow)."""
+def nesting_over(value, limit: int = MAX_JSON_NESTING) -> bool:
+    """Whether ``value`` (a decoded JSON or TOML body) holds lists and dicts more than ``limit``
+    levels deep (iterative: a recursive walk of a hostile body would itself overflow)."""
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()

@@ -17,11 +17,12 @@ import msgspec
 from marlaas.platform import api
 from marlaas.platform.http_api import PATH_FIELDS as DATA_FIELDS
 from marlaas.platform.http_api import is_file_id
+from marlaas.platform.limits import MAX_JSON_NESTING
+from services.gateway.context import nesting_over
 
 JSON_TYPES = ("application/json", "")  # no Content-Type: read as JSON
 TOML_TYPES = ("application/toml", "text/x-toml", "text/toml")
 EXAMPLE = '{"task": "addition", "steps": 10}'
-MAX_NESTING = 32  # levels of arrays / objects / tables; bounds the work (and recursion) a body causes
 AT_PATH = " - at `$"  # how msgspec ends an error with where it was: "... - at `$.grpo.seed`"
 _MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
 
@@ -50,7 +51,7 @@ def parse_body(body: bytes, content_type: str) -> dict:
                                          "application/json or application/toml")
     except RecursionError:  # the parser's own limit, far deeper than ours
         raise too_deep() from None
-    if nesting(tree) > MAX_NESTING:
+    if nesting_over(tree):  # arrays, objects and TOML tables alike
         raise too_deep()
     return tree
 
@@ -66,7 +67,7 @@ def split_error_path(text: str) -> tuple[str, str]:
 
 
 def too_deep() -> SubmissionRefused:
-    return SubmissionRefused(400, f"the job is nested more than {MAX_NESTING} levels deep (arrays, objects or "
+    return SubmissionRefused(400, f"the job is nested more than {MAX_JSON_NESTING} levels deep (arrays, objects or "
                                   "tables within each other); a job needs 3 at most (a [grpo] table, a 'tools' "
                                   f"list): send its fields, e.g. {EXAMPLE}")
 
@@ -91,14 +92,6 @@ def parse_json(body: bytes) -> dict:
         raise SubmissionRefused(400, f"the job must be a JSON object of fields, e.g. {EXAMPLE}; "
                                      f"got a {type(tree).__name__}")
     return tree
-
-
-def nesting(value, limit: int = MAX_NESTING) -> int:
-    """How many levels of lists and dicts ``value`` holds, counted to at most ``limit + 1``."""
-    if not isinstance(value, (dict, list)) or limit < 0:
-        return 0
-    children = value.values() if isinstance(value, dict) else value
-    return 1 + max((nesting(child, limit - 1) for child in children), default=0)
 
 
 def check_submission(tree: dict, tenant: str, allow_paths_under: str = "", idempotency_key: str = "") -> dict:

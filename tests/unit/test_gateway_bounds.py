@@ -16,7 +16,8 @@ from marlaas.platform.files import (
     count_records,
     plan_reservation,
 )
-from services.gateway.context import MAX_JSON_NESTING, ApiError, Slots, json_object, path_problem
+from marlaas.platform.limits import MAX_JSON_NESTING
+from services.gateway.context import ApiError, Slots, json_object, path_problem
 
 
 def fed(data: bytes, piece: int, max_line_bytes: int = 1 << 20) -> tuple[str, int]:

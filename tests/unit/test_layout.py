@@ -106,7 +106,8 @@ def test_the_platforms_data_files_name_no_task():
 
 def test_subjects_and_limits_have_one_home_each():
     """Every NATS subject is built by ``marlaas.platform.subjects`` (the broker's permission
-    patterns, ``stack/broker_auth.py``, aside); the job limits live in ``marlaas.platform.limits``."""
+    patterns, ``stack/broker_auth.py``, aside); the job limits and the nesting of request bodies
+    live in ``marlaas.platform.limits``."""
     import re
 
     subject = re.compile(r"""["']marlaas\.(job|policy|trajectory|span|tinker|api|registry|tool|reward)\.""")
@@ -115,7 +116,8 @@ def test_subjects_and_limits_have_one_home_each():
     strays = [f"{p.relative_to(LIBS.parent)}:{n}" for p in sources if p not in home
               for n, line in enumerate(p.read_text().splitlines(), 1) if subject.search(line)]
     assert not strays, f"subjects written out of marlaas.platform.subjects: {strays}"
-    defined = re.compile(r"^(MAX_STEPS|MAX_VERSION|MAX_SEED|MAX_JOB_SEED|MAX_SAMPLING_SEED|MAX_ERROR_CHARS)\s*=", re.M)
+    defined = re.compile(r"^(MAX_STEPS|MAX_VERSION|MAX_SEED|MAX_JOB_SEED|MAX_SAMPLING_SEED|MAX_ERROR_CHARS"
+                         r"|MAX_JSON_NESTING|MAX_NESTING)\s*=", re.M)
     homes = [str(p.relative_to(LIBS.parent)) for p in sources if defined.search(p.read_text())]
     assert homes == ["libs/marlaas/platform/limits.py"], homes
 

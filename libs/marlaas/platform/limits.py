@@ -1,6 +1,6 @@
 """The platform's bounds on what a job and a tenant's input may be, one home for them (issue 36):
 the manager validates a job against them (``services/manager/validation.py``), the gateway checks
-version numbers and sampling seeds by them.
+version numbers, sampling seeds and the nesting of request bodies by them.
 
 Error texts (issue 35): a tenant's reward, tool or request can fail with any text; what is kept
 of it (a job's failure reason, a queued note, a Tinker future's error, a failure event on the
@@ -31,6 +31,9 @@ MAX_EVAL_PROBLEMS = 1000
 # a Tinker sampling seed is 0 .. MAX_SAMPLING_SEED - 1 (the engine's generators overflow past 64
 # bits, and each of a request's samples takes seed + its index)
 MAX_SAMPLING_SEED = 2**31
+# levels of arrays / objects (TOML tables too) in a request body the gateway reads: a job needs 3, the
+# SDKs' deepest body under 10; deeper is a 400 before the work (and recursion) a hostile body would cause
+MAX_JSON_NESTING = 32
 
 
 # each version's rollouts kept for their tenant (``marlaas.platform.samples``): per version, the first
