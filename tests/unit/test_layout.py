@@ -1,27 +1,42 @@
-"""``libs/marlaas`` by family (issue 29): few top-level modules, the platform below the stack, the
-CLI and the SDK, and no circle of imports, read from the source (nothing is imported)."""
+"""The source tree by family (issues 29 and 49): few top-level modules in ``libs/marlaas``, the
+platform below the stack, the CLI and the SDK, the gateway laid out as a web service, and no
+circle of imports anywhere in ``libs/`` or ``services/``, read from the source (nothing is imported)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-LIBS = Path(__file__).resolve().parents[2] / "libs"
+ROOT = Path(__file__).resolve().parents[2]
+LIBS = ROOT / "libs"
 PKG = LIBS / "marlaas"
+SERVICES = ROOT / "services"
 MAX_TOP_LEVEL = 6
 ABOVE_PLATFORM = ("marlaas.stack", "marlaas.cli", "marlaas.sdk")
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(LIBS).with_suffix("").parts
+    parts = path.relative_to(LIBS if path.is_relative_to(LIBS) else ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {module_name(p): p for p in PKG.rglob("*.py")}
+MODULES = {module_name(p): p for top in (PKG, SERVICES) for p in top.rglob("*.py")}
+
+
+def imported_module(path: Path, node: ast.ImportFrom) -> str:
+    """The absolute name of what ``from ... import`` names (``from .x import y`` resolved)."""
+    if not node.level:
+        return node.module or ""
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    base = package[:len(package) - node.level + 1]
+    return ".".join([*base, *([node.module] if node.module else [])])
 
 
 def imports_of(path: Path) -> set[str]:
-    """The ``marlaas`` modules ``path`` imports, lazily or not (``TYPE_CHECKING`` ones left out)."""
+    """The modules of ``libs/marlaas`` and ``services`` that ``path`` imports, lazily (inside a
+    function) or not; ``TYPE_CHECKING`` ones left out."""
     tree = ast.parse(path.read_text())
     skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
             for child in node.body for n in ast.walk(child)}
@@ -30,11 +45,12 @@ def imports_of(path: Path) -> set[str]:
         if id(node) in skip:
             continue
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("marlaas")}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("marlaas") and not node.level:
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            module = imported_module(path, node)
             for a in node.names:
-                sub = f"{node.module}.{a.name}"
-                found.add(sub if sub in MODULES else node.module)
+                sub = f"{module}.{a.name}"
+                found.add(sub if sub in MODULES else module)
     return {m for m in found if m in MODULES}
 
 
@@ -52,35 +68,95 @@ def test_platform_imports_no_stack_cli_or_sdk():
     assert not {k: v for k, v in wrong.items() if v}, wrong
 
 
-def test_no_circle_of_imports():
-    """Tarjan's strongly connected components over module-to-module imports (lazy ones too)."""
-    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+def tangles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The sets of modules that import each other, each through the others (Tarjan's strongly
+    connected components of more than one module, or of one that imports itself)."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
 
     def visit(node: str) -> None:
         index[node] = low[node] = len(index)
         stack.append(node)
         on_stack.add(node)
-        for dep in GRAPH[node]:
+        for dep in sorted(graph[node]):
             if dep not in index:
                 visit(dep)
                 low[node] = min(low[node], low[dep])
             elif dep in on_stack:
                 low[node] = min(low[node], index[dep])
         if low[node] == index[node]:
-            component = []
+            component = set()
             while True:
                 member = stack.pop()
                 on_stack.discard(member)
-                component.append(member)
+                component.add(member)
                 if member == node:
                     break
-            if len(component) > 1:
-                circles.append(sorted(component))
+            if len(component) > 1 or node in graph[node]:
+                components.append(component)
 
-    for name in GRAPH:
+    for name in sorted(graph):
         if name not in index:
             visit(name)
-    assert not circles, f"modules that import each other in a circle: {circles}"
+    return components
+
+
+def way_round(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """The shortest circle from the first (by name) of ``component`` back to itself (breadth first)."""
+    start = min(component)
+    came_from: dict[str, str | None] = {start: None}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for dep in sorted(graph[node] & component):
+                if dep == start:
+                    way = [node]
+                    while came_from[way[-1]] is not None:
+                        way.append(came_from[way[-1]])
+                    return [*reversed(way), start]
+                if dep not in came_from:
+                    came_from[dep] = node
+                    following.append(dep)
+        frontier = following
+    raise AssertionError(f"no way round {sorted(component)}")
+
+
+def test_no_circle_of_imports():
+    """No module of ``libs/marlaas`` or ``services`` imports, through others, itself: lazy imports
+    inside functions count (they only hide a circle), ``TYPE_CHECKING`` ones do not."""
+    found = [f"{' -> '.join(way_round(GRAPH, tangle))} ({len(tangle)} modules tangled: {sorted(tangle)})"
+             for tangle in tangles(GRAPH)]
+    assert not found, "modules that import each other in a circle:\n" + "\n".join(found)
+
+
+def test_a_circle_is_named_module_by_module():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert [way_round(graph, tangle) for tangle in tangles(graph)] == [["a", "b", "c", "a"], ["e", "e"]]
+    assert tangles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_gateway_is_laid_out_as_a_web_service():
+    """Issue 49: ``context.py`` (the request context and errors) is a leaf, ``auth.py`` and
+    ``operations.py`` hold authentication and the operations routes, ``app.py`` only assembles the
+    routers; no route module imports ``app`` (``service.py`` runs it), and the gateway's modules
+    import each other at the top (the entry point's late import of the service aside, STYLE 5)."""
+    gateway = {name: deps for name, deps in GRAPH.items() if name.startswith("services.gateway")}
+    for module in ("context", "auth", "operations", "app"):
+        assert f"services.gateway.{module}" in gateway, module
+    assert {name for name, deps in gateway.items() if "services.gateway.app" in deps} == {"services.gateway.service"}
+    reached, todo = set(), ["services.gateway.context"]
+    while todo:
+        for dep in GRAPH[todo.pop()]:
+            if dep.startswith("services.") and dep not in reached:
+                reached.add(dep)
+                todo.append(dep)
+    assert reached <= {"services.gateway.reads", "services.gateway.metrics"}, f"context.py reaches {reached}"
+    late = [f"{name}.{node.name}" for name in gateway if name != "services.gateway.__main__"
+            for node in ast.walk(ast.parse(MODULES[name].read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for inner in ast.walk(node)
+            if isinstance(inner, ast.ImportFrom) and (inner.module or "").startswith("services.")]
+    assert not late, f"gateway modules imported inside a function (import them at the top): {late}"
 
 
 # --- the wrong-way ties cut in issue 36 ---------------------------------------------------------
@@ -111,7 +187,7 @@ def test_subjects_and_limits_have_one_home_each():
     import re
 
     subject = re.compile(r"""["']marlaas\.(job|policy|trajectory|span|tinker|api|registry|tool|reward)\.""")
-    sources = [p for top in ("libs", "services") for p in (LIBS.parent / top).rglob("*.py")]
+    sources = [p for top in (LIBS, SERVICES) for p in top.rglob("*.py")]
     home = {PKG / "platform" / "subjects.py", PKG / "stack" / "broker_auth.py"}
     strays = [f"{p.relative_to(LIBS.parent)}:{n}" for p in sources if p not in home
               for n, line in enumerate(p.read_text().splitlines(), 1) if subject.search(line)]
