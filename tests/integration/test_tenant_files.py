@@ -29,7 +29,7 @@ from marlaas.tasks import get_task
 from services.env.rewards import RewardBook
 from services.gateway.app import Gateway, create_app
 from services.gateway.metrics import StackMetrics
-from services.manager.service import Manager, _reply
+from services.manager.service import Manager, api_responder
 
 pytestmark = pytest.mark.timeout(180)
 JSONL = {"Content-Type": "application/jsonl"}
@@ -48,7 +48,7 @@ def config(tmp_path):
 async def app(bus, file_store, config):
     """The gateway app, with the manager answering submissions."""
     manager = await asyncio.to_thread(Manager, bus, file_store, config)
-    await bus.serve(subjects.API_SUBMIT, "manager", _reply(manager.submit))
+    await bus.serve(subjects.API_SUBMIT, "manager", api_responder(manager.submissions.submit))
     return create_app(Gateway(bus, file_store, config, StackMetrics()))
 
 
