@@ -202,7 +202,7 @@ async def test_the_sdk_uploads_a_job_files_local_data_once_and_submits_its_id(ap
 def test_the_cli_leaves_a_file_id_alone_and_makes_local_paths_absolute(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from marlaas.cli.commands import submission_from_args
+    from marlaas.cli.job_commands import submission_from_args
 
     monkeypatch.chdir(tmp_path)
     args = SimpleNamespace(file=None, name=None, task="search-qa", steps=2, seed=None, dataset="file-" + "a" * 32,
