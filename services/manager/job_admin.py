@@ -1,4 +1,5 @@
-"""The manager's tenant-facing job administration: quotas, pinning versions, deleting a job.
+"""The manager's tenant-facing job administration: quotas, status, cancelling, pinning versions,
+deleting a job.
 
 The manager stays the only writer of job records, so these run here (``marlaas.api.pin``,
 ``marlaas.api.delete``) and not in the gateway; the quota is checked here too, inside the
@@ -13,7 +14,6 @@ may still write an object or two after that, so the same sweep runs again a litt
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
 
 import msgspec
 import structlog
@@ -24,18 +24,10 @@ from marlaas.platform.bus import Bus
 from marlaas.platform.events import JobRecord, JobSpec, JobState
 from marlaas.platform.store import ObjectStore
 from marlaas.platform.tenants import get_tenant
-from services.manager.lifecycle import JobRegistry, RecordChange, remove_job_data
+from services.manager.lifecycle import JobRegistry, remove_job_data
 
 log = structlog.get_logger("manager")
 RESWEEP_AFTER_S = (5.0, 30.0)  # in-flight work of a just-cancelled job may still land a write
-
-
-class PinnableJobs(Protocol):
-    """What pinning needs of the registry: reading a record and changing it by compare-and-set."""
-
-    async def read(self, job: str, tenant: str = "") -> JobRecord | None: ...
-
-    async def update(self, job: str, change: RecordChange) -> JobRecord | None: ...
 
 
 def no_job(job: str) -> str:
@@ -88,7 +80,33 @@ async def size_refusal(bus: Bus, spec: JobSpec) -> str:
             f"{spec.tenant!r}'s quota (max_samples = {record.max_samples}): lower either")
 
 
-async def pin_version(jobs: PinnableJobs, data: bytes) -> api.PinReply:
+async def job_status(jobs: JobRegistry, data: bytes) -> api.StatusReply:
+    """The jobs a status request names (one, a tenant's, or all), oldest submission first."""
+    request = msgspec.json.decode(data or b"{}", type=api.StatusRequest)
+    records = [r for r in await jobs.records()
+               if (not request.job or r.spec.id == request.job)
+               and (not request.tenant or r.spec.tenant == request.tenant)]
+    if request.job and not records:
+        return api.StatusReply(error=f"no job {request.job!r}; `marlaas status` lists your jobs")
+    records.sort(key=lambda r: r.spec.submitted_at)
+    return api.StatusReply(jobs=[api.job_view(r) for r in records])
+
+
+async def cancel_job(jobs: JobRegistry, data: bytes) -> api.CancelReply:
+    """Cancel an unfinished job; a finished or missing one is answered as such."""
+    request = msgspec.json.decode(data, type=api.CancelRequest)
+    record = await jobs.read(request.job, request.tenant)
+    if record is None:
+        return api.CancelReply(error=f"no job {request.job!r}; `marlaas status` lists your jobs",
+                               code=api.NOT_FOUND)
+    if record.state.finished:
+        return api.CancelReply(id=request.job, state=record.state.value, code=api.FINISHED,
+                               error=f"job {request.job} already {record.state.value}")
+    await jobs.transition(request.job, JobState.CANCELLED, "cancelled by user")
+    return api.CancelReply(id=request.job, state=JobState.CANCELLED.value)
+
+
+async def pin_version(jobs: JobRegistry, data: bytes) -> api.PinReply:
     """Record ``version`` as pinned in the job record (sorted, each once)."""
     request = msgspec.json.decode(data, type=api.PinRequest)
     record = await jobs.read(request.job, request.tenant)

@@ -33,6 +33,7 @@ from marlaas.platform.events import (
     JobState,
     JobStateChanged,
     JobSubmitted,
+    JobWarningReported,
     PolicyCommitted,
     encode,
 )
@@ -41,6 +42,8 @@ from services.manager.gc import OBJECT_KINDS
 
 log = structlog.get_logger("manager")
 AGENT_METRICS = ("tool/", "episode/")  # per-version figures kept in the job record, beside rewards
+MAX_WARNINGS = 16  # per job: what it depends on is bounded (its tools and reward), and so is this
+MAX_WARNING_CHARS = 500
 
 OnFinished = Callable[[JobRecord, bool], Awaitable[None]]  # (the finished record, admit next?)
 RecordChange = Callable[[JobRecord], JobRecord | None]  # None: no change
@@ -199,6 +202,17 @@ def progressed(record: JobRecord, event: PolicyCommitted) -> JobRecord | None:
     first = record.first_commit_at or (event.committed_at if event.version == 1 else 0.0)
     return msgspec.structs.replace(record, version=event.version, rewards=rewards, metrics=metrics,
                                    first_commit_at=first, last_commit_at=event.committed_at)
+
+
+def with_warning(record: JobRecord, event: JobWarningReported) -> JobRecord | None:
+    """``record`` with ``event``'s warning set (or cleared); None when nothing changes."""
+    key, text = event.key[:100], event.warning[:MAX_WARNING_CHARS]
+    if record.state.finished or record.warnings.get(key, "") == text:
+        return None
+    warnings = {k: v for k, v in record.warnings.items() if k != key}
+    if text and len(warnings) < MAX_WARNINGS:
+        warnings[key] = text
+    return msgspec.structs.replace(record, warnings=warnings)
 
 
 def oldest_beyond(finished: list[tuple[float, str]], keep: int) -> list[tuple[float, str]]:

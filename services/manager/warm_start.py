@@ -13,19 +13,21 @@ Another tenant's job or unpublished checkpoint is answered as a missing one. The
 (rank, alpha, target modules) is the source's, which must be one the engine serves
 (:func:`servable_problem`): its version 0 is a copy of the source's weights, with a fresh
 optimizer. :func:`parse_init_from` and :func:`servable_problem` are the pure decisions;
-:func:`resolve_init` reads the bus and the store.
+:func:`resolve_init` reads the bus and the store, and :func:`checked_init` checks what it read
+against this stack, as a submission does.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from pathlib import Path
 
 from marlaas.platform import api, subjects, tinker_records
-from marlaas.platform.adapter_uploads import is_adapter_id, read_uploaded_adapter
+from marlaas.platform.adapter_uploads import adapter_problem_on_base, is_adapter_id, read_uploaded_adapter
 from marlaas.platform.adapters import lora_of, read_adapter
 from marlaas.platform.bus import VERSIONS_BUCKET, Bus
-from marlaas.platform.events import COMMITTED, POLICY, Blob
+from marlaas.platform.events import COMMITTED, POLICY, Blob, JobSpec
 from marlaas.platform.store import ObjectNotFound, ObjectStore
 from marlaas.platform.tinker_records import TinkerCheckpoint
 
@@ -112,6 +114,23 @@ async def resolve_init(bus: Bus, store: ObjectStore, tenant: str, value: str) ->
     except ObjectNotFound:
         raise api.SubmitError(f"init_from {value!r}: that version is no longer stored (garbage collection keeps "
                               "a job's last versions and the ones pinned: pin it, or start from a later one)") from None
+
+
+async def checked_init(bus: Bus, store: ObjectStore, spec: JobSpec, base_model_dir: Path, max_rank: int,
+                       targets: frozenset[str]) -> tuple[bytes, bytes] | None:
+    """The (config JSON, weights) ``spec.init_from`` names, checked against this stack (None
+    without ``init_from``), or :class:`api.SubmitError` saying what is wrong with them."""
+    if not spec.init_from:
+        return None
+    warm = await resolve_init(bus, store, spec.tenant, spec.init_from)
+    if is_adapter_id(spec.init_from):  # a tenant's file: its shapes against this base too
+        problem = await asyncio.to_thread(adapter_problem_on_base, *warm, base_model_dir=base_model_dir,
+                                          max_rank=max_rank)
+    else:  # the platform's own weights: only whether this engine serves their shape
+        problem = servable_problem(warm[0], max_rank, targets)
+    if problem:
+        raise api.SubmitError(f"init_from {spec.init_from!r}: {problem}")
+    return warm
 
 
 async def checkpoint_weights(bus: Bus, store: ObjectStore, tenant: str, path: str) -> tuple[bytes, bytes]:

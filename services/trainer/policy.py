@@ -1,3 +1,4 @@
+# over 500 lines: one class, PolicyTrainer; loading, scoring and stepping share its hot adapters' state
 """The trainer's model: one frozen base, one peft LoRA adapter per hot job, per-job AdamW.
 
 The base is loaded once per process and never reloaded per job. A job's adapter

@@ -1,3 +1,4 @@
+# over 500 lines: the commit protocol (check, train, write, CAS, announce, ack) reads as one; plan_batch is pure
 """Trainer shell: take trajectory batches from the TRAJ work queue, one update at a time.
 
 Batches are taken in tenant turns (``trainer.fair_share``, the default; the tenant with the

@@ -1,3 +1,4 @@
+# over 500 lines: one ordered request protocol over one model record; its pure parts (turn, tensors) lead
 """The trainer's half of the Tinker API: a model's training requests, one at a time, in order.
 
 The gateway puts each request on the work queue ``marlaas.tinker.train.<tenant>`` (deduplicated

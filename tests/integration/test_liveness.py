@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from marlaas.platform.events import JOB, JobFailureReported, JobRecord, JobSpec, JobState, JobWarningReported
-from services.manager.service import MAX_WARNINGS, _with_warning
+from services.manager.lifecycle import MAX_WARNINGS, with_warning
 from services.rollout.liveness import Liveness
 
 pytestmark = pytest.mark.timeout(60)
@@ -72,19 +72,19 @@ def test_the_record_shows_each_warning_until_cleared_and_never_after_the_job_fin
     record = JobRecord(spec=JobSpec(id="acme.j1", tenant="acme", name="j1", task="multiply", steps=2),
                        state=JobState.RUNNING)
     warn = JobWarningReported(job="acme.j1", service="rollout", key="tool acme.weather", warning="silent")
-    record = _with_warning(record, warn)
+    record = with_warning(record, warn)
     assert record.warnings == {"tool acme.weather": "silent"}
-    assert _with_warning(record, warn) is None  # no change, no write
-    cleared = _with_warning(record, JobWarningReported(job="acme.j1", service="rollout",
-                                                       key="tool acme.weather"))
+    assert with_warning(record, warn) is None  # no change, no write
+    cleared = with_warning(record, JobWarningReported(job="acme.j1", service="rollout",
+                                                      key="tool acme.weather"))
     assert cleared.warnings == {}
     flood = record
     for i in range(MAX_WARNINGS + 10):  # bounded, whatever reports arrive
-        flood = _with_warning(flood, JobWarningReported(job="acme.j1", service="x", key=f"k{i}",
-                                                        warning="w" * 10_000)) or flood
+        flood = with_warning(flood, JobWarningReported(job="acme.j1", service="x", key=f"k{i}",
+                                                       warning="w" * 10_000)) or flood
     assert len(flood.warnings) == MAX_WARNINGS and all(len(w) <= 500 for w in flood.warnings.values())
     done = JobRecord(spec=record.spec, state=JobState.FAILED)
-    assert _with_warning(done, warn) is None
+    assert with_warning(done, warn) is None
 
 
 async def test_a_report_the_broker_refuses_fails_no_call_and_the_give_up_is_sent_again(bus):

@@ -35,7 +35,8 @@ from marlaas.platform.events import (
     encode,
 )
 from marlaas.platform.store import FileStore
-from services.manager.service import Manager, _reply
+from services.manager.job_admin import cancel_job, job_status
+from services.manager.service import Manager, api_responder
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,17 +84,17 @@ async def test_a_failing_admission_says_why_on_the_record_and_is_retried_until_i
     store = RefusingStore(tmp_path / "store")
     manager = await manager_on(bus, store, tmp_path)
     stop = asyncio.Event()
-    admitting = asyncio.create_task(manager.keep_admitting(stop, every_s=0.5))
+    admitting = asyncio.create_task(manager.admission.keep_admitting(stop, every_s=0.5))
     try:
-        first = await manager.submit(submission("first"))
-        second = await manager.submit(submission("second"))
+        first = await manager.submissions.submit(submission("first"))
+        second = await manager.submissions.submit(submission("second"))
         assert first.id and second.id and not first.error  # accepted: queued, not refused
 
         record = await record_of(bus, first.id)
         assert record.state is JobState.QUEUED
         assert record.reason == ("not admitted yet: admission failed (OSError: [Errno 28] No space left on "
                                  "device); retrying")
-        (view,) = (await manager.status(msgspec.json.encode({"job": first.id}))).jobs
+        (view,) = (await job_status(manager.jobs, msgspec.json.encode({"job": first.id}))).jobs
         assert view.state == "queued" and "No space left on device" in view.reason  # users see it
         (event,) = await state_events(bus, first.id)  # watchers hear it once, not at every retry
         assert event.state is JobState.QUEUED and event.reason == record.reason
@@ -125,10 +126,10 @@ async def test_a_job_whose_version_0_cannot_be_built_fails_alone_and_the_pass_ad
     bad = JobSpec(id="acme.huge-seed", tenant="acme", name="huge-seed", task="addition", steps=2, seed=2**64,
                   submitted_at=time.time() - 1)
     await bus.kv_create(JOBS_BUCKET, bad.id, encode(JobRecord(spec=bad, kv_cache_bytes=1)))
-    fine = await manager.submit(submission("fine"))  # behind it in the queue
+    fine = await manager.submissions.submit(submission("fine"))  # behind it in the queue
     assert fine.id and not fine.error
 
-    await asyncio.wait_for(manager.admit_queued(), 60)
+    await asyncio.wait_for(manager.admission.admit_queued(), 60)
     failed = await record_of(bus, bad.id)
     assert failed.state is JobState.FAILED
     assert failed.reason.startswith("not admitted: version 0 cannot be built from the job's settings "
@@ -146,7 +147,7 @@ async def test_a_job_whose_version_0_cannot_be_built_fails_alone_and_the_pass_ad
 async def test_a_submit_whose_record_cannot_be_written_gets_a_clear_error_and_creates_nothing(
         bus, file_store, tmp_path):
     manager = await manager_on(bus, file_store, tmp_path)
-    await bus.serve(subjects.API_SUBMIT, "manager", _reply(manager.submit))
+    await bus.serve(subjects.API_SUBMIT, "manager", api_responder(manager.submissions.submit))
 
     async def submit(name: str) -> api.SubmitReply:  # as a client does: request/reply over the bus
         data = await bus.request(subjects.API_SUBMIT, submission(name), timeout_s=10)
@@ -165,7 +166,7 @@ async def test_a_submit_whose_record_cannot_be_written_gets_a_clear_error_and_cr
     assert unannounced.code == api.UNAVAILABLE and "nothing was created" in unannounced.error
 
     assert await bus.kv_keys(JOBS_BUCKET) == []  # neither left a record...
-    assert await manager.unfinished_records() == []  # ... nor a job the manager would admit
+    assert await manager.jobs.unfinished_records() == []  # ... nor a job the manager would admit
     assert await bus.read_all("JOBS", "marlaas.job.>") == []
 
     await set_max_msg_size(bus, "JOBS", -1)  # healthy again: the same submission goes through
@@ -193,7 +194,7 @@ async def committed_job(bus: Bus, store, name: str, steps: int, record_version: 
 
 
 async def consume_policy(bus: Bus, manager: Manager, stop: asyncio.Event) -> asyncio.Task:
-    return asyncio.create_task(bus.consume("POLICY", "manager", "marlaas.policy.committed.>", manager.on_policy,
+    return asyncio.create_task(bus.consume("POLICY", "manager", "marlaas.policy.committed.>", manager.events.on_policy,
                                            stop=stop))
 
 
@@ -201,7 +202,7 @@ async def stop_manager(manager: Manager, stop: asyncio.Event, consuming: asyncio
     """Stop consuming, then let the manager's background work (garbage collection) finish."""
     stop.set()
     await consuming
-    await asyncio.gather(*list(manager._background))
+    await asyncio.gather(*list(manager.jobs.background))
 
 
 async def test_the_final_announcement_twice_or_after_a_restart_completes_the_job_once(bus, file_store, tmp_path):
@@ -330,12 +331,12 @@ async def test_a_tenants_finished_jobs_beyond_the_bound_are_deleted_oldest_first
     (record and data) as each job finishes; its other jobs and other tenants' are untouched."""
     config = load_config(overrides={"home": str(tmp_path / "home"), "manager.max_finished_jobs": 2}, env={})
     manager = await asyncio.to_thread(Manager, bus, file_store, config)
-    jobs = [(await manager.submit(submission(f"job{k}"))).id for k in range(4)]
-    other = (await manager.submit(submission("theirs", tenant="zeta"))).id
-    running = (await manager.submit(submission("still-queued"))).id
+    jobs = [(await manager.submissions.submit(submission(f"job{k}"))).id for k in range(4)]
+    other = (await manager.submissions.submit(submission("theirs", tenant="zeta"))).id
+    running = (await manager.submissions.submit(submission("still-queued"))).id
     assert all(jobs) and other and running
     for job in (*jobs, other):
-        assert (await manager.cancel(msgspec.json.encode({"job": job}))).state == "cancelled"
+        assert (await cancel_job(manager.jobs, msgspec.json.encode({"job": job}))).state == "cancelled"
         await asyncio.sleep(0.05)  # distinct finished_at, in this order
 
     async def kept() -> list[str] | None:

@@ -41,7 +41,8 @@ from marlaas.platform.events import (
 )
 from marlaas.tools.registry import reward_subject
 from marlaas.tools.serving import answer_reward_request, reward
-from services.manager.service import Manager, _reply
+from services.manager.job_admin import cancel_job, job_status
+from services.manager.service import Manager, api_responder
 
 pytestmark = pytest.mark.timeout(180)
 TERMINATED = "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.>"
@@ -97,9 +98,9 @@ async def test_poison_on_each_manager_consumer_is_terminated_logged_and_the_rest
     terminated = await watch_terminations(bus)
     stop = asyncio.Event()
     consumers = {  # as services/manager/service.py runs them
-        "manager": ("POLICY", "marlaas.policy.committed.>", manager.on_policy),
-        "manager-failures": ("JOBS", "marlaas.job.failure.>", manager.on_job_event),
-        "manager-evals": ("JOBS", "marlaas.job.eval.>", manager.on_job_event),
+        "manager": ("POLICY", "marlaas.policy.committed.>", manager.events.on_policy),
+        "manager-failures": ("JOBS", "marlaas.job.failure.>", manager.events.on_job_event),
+        "manager-evals": ("JOBS", "marlaas.job.eval.>", manager.events.on_job_event),
     }
     poisoned = {"manager": (subjects.policy_committed(served.id), "policy", "policy.committed"),
                 "manager-failures": (f"marlaas.job.failure.{failing.id}", "job", "job.failure"),
@@ -201,9 +202,10 @@ async def _version(bus: Bus, job: str, version: int) -> CommittedVersion | None:
 
 
 async def test_bad_api_requests_get_a_readable_error_and_the_manager_keeps_serving(bus, manager):
-    for subject, handler in ((subjects.API_SUBMIT, manager.submit), (subjects.API_STATUS, manager.status),
-                             (subjects.API_CANCEL, manager.cancel)):
-        await bus.serve(subject, "manager", _reply(handler))
+    for subject, handler in ((subjects.API_SUBMIT, manager.submissions.submit),
+                             (subjects.API_STATUS, lambda data: job_status(manager.jobs, data)),
+                             (subjects.API_CANCEL, lambda data: cancel_job(manager.jobs, data))):
+        await bus.serve(subject, "manager", api_responder(handler))
 
     async def ask(subject: str, data: bytes) -> dict:
         return json.loads(await bus.request(subject, data, timeout_s=10))
@@ -237,14 +239,14 @@ async def test_a_dataset_line_that_is_not_json_refuses_the_submit_naming_the_lin
     dataset.write_text(json.dumps({"question": "What is 2 plus 3?", "answer": "#### 5"}) + "\n"
                        "\n"  # blank lines are skipped, but counted
                        "{'question': 'single quotes', 'answer': '#### 1'}\n")
-    reply = await manager.submit(submission("bad-data", task="gsm8k", dataset=str(dataset)))
+    reply = await manager.submissions.submit(submission("bad-data", task="gsm8k", dataset=str(dataset)))
     assert reply.code == api.INVALID and not reply.id
     assert reply.error.startswith(f"{dataset}:3: not JSON (")
     assert reply.error.endswith("write one JSON object per line")
     good = tmp_path / "good.jsonl"
     good.write_text(json.dumps({"question": "What is 1 plus 1?", "answer": "#### 2"}) + "\n")
-    held_out = await manager.submit(submission("bad-eval", task="gsm8k", dataset=str(good), eval_every=1,
-                                               eval_dataset=str(dataset)))
+    held_out = await manager.submissions.submit(submission("bad-eval", task="gsm8k", dataset=str(good),
+                                                           eval_every=1, eval_dataset=str(dataset)))
     assert held_out.code == api.INVALID and held_out.error.startswith(f"eval_dataset: {dataset}:3: not JSON (")
     assert await bus.kv_keys(JOBS_BUCKET) == []
 
@@ -264,7 +266,7 @@ async def test_a_dataset_line_that_is_not_json_refuses_the_submit_naming_the_lin
     ({"lora": {"alpha": 10**400}}, "lora.alpha must be between 1 and 4096"),
 ])
 async def test_every_integer_of_a_submission_is_range_checked_and_nothing_is_created(bus, manager, fields, says):
-    reply = await manager.submit(submission("huge", **fields))
+    reply = await manager.submissions.submit(submission("huge", **fields))
     assert reply.code == api.INVALID and not reply.id
     assert says in reply.error
     assert await bus.kv_keys(JOBS_BUCKET) == []
@@ -272,18 +274,18 @@ async def test_every_integer_of_a_submission_is_range_checked_and_nothing_is_cre
 
 
 async def test_grpo_truncated_is_checked_at_submit_and_kept_in_the_spec(bus, manager):
-    bad = await manager.submit(submission("typo", grpo={"truncated": "dorp"}))
+    bad = await manager.submissions.submit(submission("typo", grpo={"truncated": "dorp"}))
     assert bad.code == api.INVALID and "grpo.truncated must be one of train, zero, drop" in bad.error
-    fixed_length = await manager.submit(submission("bench", grpo={"truncated": "drop", "ignore_eos": True}))
+    fixed_length = await manager.submissions.submit(submission("bench", grpo={"truncated": "drop", "ignore_eos": True}))
     assert fixed_length.code == api.INVALID and "with it, grpo.truncated must be 'train'" in fixed_length.error
     assert await bus.kv_keys(JOBS_BUCKET) == []
-    ok = await manager.submit(submission("dropping", grpo={"truncated": "drop"}))
+    ok = await manager.submissions.submit(submission("dropping", grpo={"truncated": "drop"}))
     assert not ok.error and (await record_of(bus, ok.id)).spec.grpo.truncated == "drop"
-    default = await manager.submit(submission("default"))
+    default = await manager.submissions.submit(submission("default"))
     assert (await record_of(bus, default.id)).spec.grpo.truncated == "train"
 
 async def test_a_tenants_reward_is_refused_at_submit_unless_it_is_served_right_now(bus, manager):
-    refused = await manager.submit(submission("unserved", reward="acme.length"))
+    refused = await manager.submissions.submit(submission("unserved", reward="acme.length"))
     assert refused.code == api.INVALID and not refused.id
     assert refused.error == ("reward 'acme.length' is not served right now (nothing answers on "
                              "marlaas.reward.acme.length): start the process that serves it (@reward, "
@@ -302,8 +304,8 @@ async def test_a_tenants_reward_is_refused_at_submit_unless_it_is_served_right_n
 
     await bus.serve(reward_subject("acme.length"), "reward-acme", answer)
     await bus.nc.flush()
-    served = await manager.submit(submission("served", reward="acme.length"))
+    served = await manager.submissions.submit(submission("served", reward="acme.length"))
     assert served.id and not served.error
     assert scored == []  # the check ran no reward function
-    builtin = await manager.submit(submission("judged", reward="judge"))  # the env serves it with the tasks
+    builtin = await manager.submissions.submit(submission("judged", reward="judge"))  # the env serves it with the tasks
     assert builtin.id and not builtin.error

@@ -41,21 +41,21 @@ async def test_finished_jobs_do_not_slow_submission(bus, file_store, tmp_path):
     manager = await asyncio.to_thread(Manager, bus, file_store, config)
     gets = CountingGets(bus)
 
-    first = await manager.submit(submission("first"))  # builds the index: one scan of the registry
+    first = await manager.submissions.submit(submission("first"))  # builds the index: one scan of the registry
     assert first.id and gets.count >= FINISHED
     gets.count = 0
-    second = await manager.submit(submission("second"))
+    second = await manager.submissions.submit(submission("second"))
     assert second.id
     assert gets.count < 10, gets.count  # only the unfinished jobs' records, not the registry
 
-    queued = {r.spec.id for r in await manager.unfinished_records()}
+    queued = {r.spec.id for r in await manager.jobs.unfinished_records()}
     assert queued == {first.id, second.id}  # both admitted and running: the index holds them
-    await manager.transition(first.id, JobState.CANCELLED, "test")
-    assert {r.spec.id for r in await manager.unfinished_records()} == {second.id}
+    await manager.jobs.transition(first.id, JobState.CANCELLED, "test")
+    assert {r.spec.id for r in await manager.jobs.unfinished_records()} == {second.id}
 
     await add_tenant(bus, "acme", max_jobs=1)  # the quota counts from the index too
-    assert (await manager.submit(submission("a1", "acme"))).id
-    refused = await manager.submit(submission("a2", "acme"))
+    assert (await manager.submissions.submit(submission("a1", "acme"))).id
+    refused = await manager.submissions.submit(submission("a2", "acme"))
     assert refused.code == api.QUOTA and "max_jobs = 1" in refused.error
 
 
@@ -70,11 +70,11 @@ async def test_a_staleness_job_counts_its_extra_lora_slots_against_the_quota(bus
         return msgspec.json.encode({"name": name, "task": "addition", "steps": 2, "tenant": "acme",
                                     "grpo": {"max_staleness": k}})
 
-    too_big = await manager.submit(stale("k3", 3))  # 4 slots against 3
+    too_big = await manager.submissions.submit(stale("k3", 3))  # 4 slots against 3
     assert too_big.code == api.QUOTA and "this one needs 4 (1 + grpo.max_staleness)" in too_big.error
-    assert (await manager.submit(stale("k1", 1))).id  # 2 slots of 3
-    refused = await manager.submit(stale("k1-again", 1))  # 2 more: 4 against 3
+    assert (await manager.submissions.submit(stale("k1", 1))).id  # 2 slots of 3
+    refused = await manager.submissions.submit(stale("k1-again", 1))  # 2 more: 4 against 3
     assert refused.code == api.QUOTA
     assert "1 jobs queued or running, holding 2 LoRA slots (a job at max_staleness = k holds 1 + k)" in refused.error
-    assert (await manager.submit(submission("plain", "acme"))).id  # 1 slot: exactly 3
-    assert (await manager.submit(submission("one-more", "acme"))).code == api.QUOTA
+    assert (await manager.submissions.submit(submission("plain", "acme"))).id  # 1 slot: exactly 3
+    assert (await manager.submissions.submit(submission("one-more", "acme"))).code == api.QUOTA

@@ -30,7 +30,7 @@ from services.env.rewards import RewardBook
 from services.gateway.app import create_app
 from services.gateway.context import Gateway
 from services.gateway.metrics import StackMetrics
-from services.manager.service import Manager, _reply
+from services.manager.service import Manager, api_responder
 
 pytestmark = pytest.mark.timeout(180)
 JSONL = {"Content-Type": "application/jsonl"}
@@ -49,7 +49,7 @@ def config(tmp_path):
 async def app(bus, file_store, config):
     """The gateway app, with the manager answering submissions."""
     manager = await asyncio.to_thread(Manager, bus, file_store, config)
-    await bus.serve(subjects.API_SUBMIT, "manager", _reply(manager.submit))
+    await bus.serve(subjects.API_SUBMIT, "manager", api_responder(manager.submissions.submit))
     return create_app(Gateway(bus, file_store, config, StackMetrics()))
 
 
@@ -203,7 +203,7 @@ async def test_the_sdk_uploads_a_job_files_local_data_once_and_submits_its_id(ap
 def test_the_cli_leaves_a_file_id_alone_and_makes_local_paths_absolute(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from marlaas.cli.commands import submission_from_args
+    from marlaas.cli.job_commands import submission_from_args
 
     monkeypatch.chdir(tmp_path)
     args = SimpleNamespace(file=None, name=None, task="search-qa", steps=2, seed=None, dataset="file-" + "a" * 32,

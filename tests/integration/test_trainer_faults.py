@@ -53,6 +53,7 @@ from marlaas.platform.events import (
 )
 from marlaas.platform.store import FileStore
 from marlaas.platform.telemetry import read_spans
+from services.manager.job_admin import cancel_job
 from services.manager.service import Manager
 from services.rollout.service import INLINE_BATCH_LIMIT, publish_batch
 from services.trainer.gap_watch import FP32_GAP, GapWatch
@@ -505,7 +506,7 @@ async def test_a_job_cancelled_while_it_trains_commits_nothing(bus, file_store, 
     with capture_logs() as logs:
         handling = asyncio.create_task(trainer.handle(delivery))
         await held.until_reached()
-        reply = await manager.cancel(encode(api.CancelRequest(job=spec.id)))
+        reply = await cancel_job(manager.jobs, encode(api.CancelRequest(job=spec.id)))
         held.released.set()
         await handling
 
@@ -534,7 +535,7 @@ async def test_a_batch_that_fails_every_attempt_fails_its_job_with_the_reason(bu
     trainer = Trainer(bus, store, PolicyTrainer(BASE))
     stop = asyncio.Event()
     failures_loop = asyncio.create_task(bus.consume("JOBS", "manager-failures", "marlaas.job.failure.>",
-                                                    manager.on_job_event, stop=stop))
+                                                    manager.events.on_job_event, stop=stop))
 
     async def record(job: str) -> JobRecord:
         return JOB_RECORD.decode((await bus.kv_get(JOBS_BUCKET, job)).value)

@@ -62,6 +62,7 @@ from marlaas.platform.events import (
     encode,
 )
 from marlaas.platform.store import FileStore
+from services.manager.job_admin import cancel_job
 from services.manager.service import Manager
 from services.rollout.announcements import Reaction, plan_announcement
 from services.rollout.service import publish_batch, record_sampled, sampled_version
@@ -194,7 +195,7 @@ class World:
         request = {"task": "addition", "steps": STEPS, "seed": seed, "tenant": "sm", "name": f"sm-{seed}",
                    "grpo": {"prompts_per_step": 1, "group_size": 2, "learning_rate": 1e-2},
                    "lora": {"rank": 2, "alpha": 4, "target_modules": ["q_proj", "v_proj"]}}
-        reply = await self.manager.submit(msgspec.json.encode(request))
+        reply = await self.manager.submissions.submit(msgspec.json.encode(request))
         assert not reply.error, reply.error
         return reply.id
 
@@ -202,7 +203,7 @@ class World:
         self.gate.set()
 
         async def manager_idle() -> None:  # its garbage-collection passes, which announcements start
-            await asyncio.gather(*list(self.manager._background), return_exceptions=True)
+            await asyncio.gather(*list(self.manager.jobs.background), return_exceptions=True)
 
         self.run(manager_idle())
         self.run(self.bus.close())
@@ -272,7 +273,7 @@ def machine_over(world: World) -> type[RuleBasedStateMachine]:
                 self.sampled[event.version] += 1
                 await publish_batch(bus, world.store, self.job, event.version, synthetic_batch(event.version))
                 await record_sampled(bus, self.job, event.version)
-            await world.manager.on_policy(Delivery(msg))
+            await world.manager.events.on_policy(Delivery(msg))
             await (msg.nak() if ack_lost else msg.ack_sync())
             return True
 
@@ -437,7 +438,7 @@ def machine_over(world: World) -> type[RuleBasedStateMachine]:
             world.seen["runs finished"] += 1
 
         async def clean_up(self) -> None:
-            await world.manager.cancel(encode(api.CancelRequest(job=self.job)))  # if a run failed midway
+            await cancel_job(world.manager.jobs, encode(api.CancelRequest(job=self.job)))  # if a run failed midway
             for sub, (stream, durable) in zip(self.subs, self.consumers):
                 await sub.unsubscribe()  # else its last expired fetch holds the bus's drain at close
                 await bus.js.delete_consumer(stream, durable)

@@ -21,8 +21,8 @@ from marlaas.platform.tenants import add_tenant
 from services.gateway.app import create_app
 from services.gateway.context import Gateway
 from services.gateway.metrics import StackMetrics
-from services.manager.job_admin import pin_version
-from services.manager.service import Manager, _reply
+from services.manager.job_admin import job_status, pin_version
+from services.manager.service import Manager, api_responder
 
 pytestmark = pytest.mark.timeout(120)
 TOML = "application/toml"
@@ -59,7 +59,7 @@ async def test_a_deeply_nested_job_is_a_400_that_names_the_limit(acme, bus, body
 
 async def test_a_version_in_another_scripts_digits_pins_nothing(acme, bus, file_store, config):
     manager = await asyncio.to_thread(Manager, bus, file_store, config)
-    await bus.serve(subjects.API_PIN, "manager", _reply(lambda data: pin_version(manager, data)))
+    await bus.serve(subjects.API_PIN, "manager", api_responder(lambda data: pin_version(manager.jobs, data)))
     spec = JobSpec(id="acme.job-1a2b3c", tenant="acme", name="job", task="addition", steps=9,
                    submitted_at=time.time())
     await bus.kv_create(JOBS_BUCKET, spec.id, encode(JobRecord(spec=spec, state=JobState.RUNNING, version=5)))
@@ -78,7 +78,7 @@ async def test_an_unreadable_job_record_hides_only_itself(acme, bus, file_store,
     spec = JobSpec(id="acme.job-ok", tenant="acme", name="ok", task="addition", steps=2, submitted_at=time.time())
     await bus.kv_create(JOBS_BUCKET, spec.id, encode(JobRecord(spec=spec, state=JobState.RUNNING, version=1)))
     await bus.kv_create(JOBS_BUCKET, "acme.job-junk", b'{"stream": "JOBS", "seq": 7}')  # a PubAck, say
-    status = await manager.status(b"{}")
+    status = await job_status(manager.jobs, b"{}")
     assert [j.id for j in status.jobs] == ["acme.job-ok"] and not status.error
     listed = await acme.get("/v1/jobs")
     assert listed.status_code == 200 and [j["id"] for j in listed.json()] == ["acme.job-ok"]

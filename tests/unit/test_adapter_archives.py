@@ -16,7 +16,7 @@ from marlaas.platform.adapter_archives import adapter_archive, read_adapter_arch
 from marlaas.platform.adapter_uploads import AdapterRefused
 from marlaas.platform.adapters import CONFIG_FILE, WEIGHTS_FILE, init_adapter
 from marlaas.platform.events import LoraSettings
-from marlaas.sdk.http import _adapter_files
+from marlaas.sdk.http import read_adapter_dir
 from tests.archives import gz, header, member, padded, pax_bomb, tar_gz
 
 
@@ -49,7 +49,7 @@ def test_what_the_sdk_uploads_for_a_peft_directory_reads_back(good, tmp_path):
     (tmp_path / CONFIG_FILE).write_bytes(good[0])
     (tmp_path / WEIGHTS_FILE).write_bytes(good[1])
     (tmp_path / "README.md").write_text("# model card")
-    assert read_adapter_archive(io.BytesIO(adapter_archive(*_adapter_files(tmp_path), time.time()))) == good
+    assert read_adapter_archive(io.BytesIO(adapter_archive(*read_adapter_dir(tmp_path), time.time()))) == good
 
 
 @pytest.mark.parametrize("tar_format, pax", [

@@ -91,13 +91,13 @@ def test_the_job_file_is_checked_at_submission(manager, tmp_path, fields, messag
            "tools": ["acme.lookup_capital"], "reward": "contains", "system": "Answer with a city."}
     tree = {k: v for k, v in (job | fields).items() if v is not None}
     with pytest.raises(SubmitError, match=message):
-        manager.validate(parse_submission(tree))
+        manager.submissions.validate(parse_submission(tree))
 
 
 def test_a_valid_agent_job_keeps_its_system_prompt(manager, tmp_path):
     job = {"task": "agent", "steps": 2, "tenant": "acme", "dataset": str(write_jsonl(tmp_path / "d.jsonl", CAPITALS)),
            "tools": ["acme.lookup_capital"], "reward": "numeric", "system": "Answer with a city."}
-    spec = manager.validate(parse_submission(job)).spec
+    spec = manager.submissions.validate(parse_submission(job)).spec
     assert spec.system == "Answer with a city." and spec.reward == "numeric" and spec.tools == ("acme.lookup_capital",)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from marlaas.bench.chaos import _gap
+from marlaas.bench.chaos import kill_gap
 from marlaas.bench.fairness import is_fairness_workload, load_fairness_workload
 from marlaas.bench.metrics import covered, overheads_ms, percentile, run_metrics
 from marlaas.bench.plots import write_plots
@@ -131,9 +131,9 @@ def test_the_report_and_plots_are_written(tmp_path):
 
 
 def test_chaos_spaces_its_kills_by_two_versions_until_the_run_would_end_short_of_them():
-    assert _gap(versions_left=52, kills_left=20) == 2
-    assert _gap(versions_left=30, kills_left=20) == 1  # a slow start: one version apart
-    assert _gap(versions_left=10, kills_left=20) == 0  # the last ones by time alone
+    assert kill_gap(versions_left=52, kills_left=20) == 2
+    assert kill_gap(versions_left=30, kills_left=20) == 1  # a slow start: one version apart
+    assert kill_gap(versions_left=10, kills_left=20) == 0  # the last ones by time alone
 
 
 def test_cpu_load_and_the_every_core_busy_bound_in_the_report():

@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from marlaas.cli.commands import status_table
+from marlaas.cli.view_commands import status_table
 from marlaas.platform.http_api import JobInfo
 
 
@@ -45,19 +45,19 @@ def test_a_reason_in_brackets_is_shown_as_written_not_read_as_markup():
 
 
 def test_piped_output_keeps_each_job_on_one_line():
-    from marlaas.cli.commands import _console
+    from marlaas.cli.output import stdout_console
 
     reason = "env: reward acme.score failed: " + "a long explanation " * 8
     long = JobInfo(id="default.a-rather-long-job-name-0123456789", name="j", tenant="default", task="reverse",
                    state="failed", reason=reason, version=2, steps=2, target_steps=40)
     out = io.StringIO()
-    _console(file=out).print(status_table([long]))  # stdout under pytest is not a terminal
+    stdout_console(file=out).print(status_table([long]))  # stdout under pytest is not a terminal
     rows = [line for line in out.getvalue().splitlines() if "default.a-rather" in line]
     assert len(rows) == 1 and long.id in rows[0] and reason.strip() in rows[0]
 
 
 def test_watch_without_a_terminal_prints_a_plain_line_per_change():
-    from marlaas.cli.commands import WatchProgress
+    from marlaas.cli.view_commands import WatchProgress
     from marlaas.sdk.http import Event
 
     info = JobInfo(id="acme.j1", name="j", tenant="acme", task="reverse", state="running", reason="",

@@ -3,7 +3,8 @@ the submission that starts it, and ``marlaas submit --then``."""
 
 import pytest
 
-from marlaas.cli.commands import build_parser, submission_from_args
+from marlaas.cli.commands import build_parser
+from marlaas.cli.job_commands import submission_from_args
 from marlaas.platform.api import MAX_THEN_CHAIN, SubmitError, follow_up, follow_up_tree, parse_submission
 from marlaas.sdk.http import read_job_file
 from services.gateway.submission import SubmissionRefused, check_submission

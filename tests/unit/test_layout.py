@@ -209,3 +209,31 @@ def test_the_tinker_files_and_the_sdks_are_named_by_role():
                  "services/rollout/tinker_sampling.py", "libs/marlaas/platform/tinker_records.py",
                  "libs/marlaas/tools/serving.py", "libs/marlaas/sdk/http.py"):
         assert (root / path).is_file(), path
+
+
+# --- issue 49: wiring stays wiring, and tests use what modules offer ------------------------------
+
+MAX_MANAGER_WIRING_LINES = 300
+
+
+def private_imports(path: Path) -> list[str]:
+    """``from X import _name`` in ``path``, X a module of ``libs/`` or ``services/``."""
+    return [f"{node.module}.{alias.name}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module
+            and node.module.split(".")[0] in ("marlaas", "services")
+            for alias in node.names if alias.name.startswith("_")]
+
+
+def test_no_test_imports_a_private_name():
+    """A name a test needs is public where it lives (a test-only re-export or pass-through is not)."""
+    root = LIBS.parent
+    found = {str(p.relative_to(root)): names for p in sorted((root / "tests").rglob("*.py"))
+             if (names := private_imports(p))}
+    assert not found, f"tests import private names: {found}"
+
+
+def test_the_managers_service_module_is_wiring():
+    """``services/manager/service.py`` wires the manager's parts to the bus; what they do lives in
+    modules of their own."""
+    lines = len((LIBS.parent / "services" / "manager" / "service.py").read_text().splitlines())
+    assert lines <= MAX_MANAGER_WIRING_LINES, f"services/manager/service.py has {lines} lines"

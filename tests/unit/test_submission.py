@@ -3,7 +3,8 @@
 
 import pytest
 
-from marlaas.cli.commands import build_parser, submission_from_args
+from marlaas.cli.commands import build_parser
+from marlaas.cli.job_commands import submission_from_args
 from marlaas.platform.api import SubmitError, parse_submission
 
 

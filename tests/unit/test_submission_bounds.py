@@ -18,7 +18,9 @@ from marlaas.platform.store import FileStore
 from marlaas.platform.tenants import TenantRecord
 from marlaas.tasks import get_task
 from services.manager import sizing, validation
-from services.manager.service import Manager, job_id, oldest_beyond
+from services.manager.lifecycle import oldest_beyond
+from services.manager.service import Manager
+from services.manager.validation import job_id
 
 
 def words(texts: list[str]) -> list[int]:
@@ -127,19 +129,19 @@ def test_a_huge_system_prompt_is_refused_before_any_tokenizer_runs(manager, tmp_
     def no_tokenizer(texts):
         raise AssertionError("tokenized an oversized submission")
 
-    monkeypatch.setattr(manager, "count_tokens", no_tokenizer)
-    bound = manager.config.rollout.max_model_len * manager.token_chars
+    monkeypatch.setattr(manager.submissions, "count_tokens", no_tokenizer)
+    bound = manager.config.rollout.max_model_len * manager.submissions.token_chars
     with pytest.raises(SubmitError, match=f"system is 900000 characters: no more than {bound} can fit"):
-        manager.validate(parse_submission(job))
+        manager.submissions.validate(parse_submission(job))
     dataset.write_text(json.dumps({"prompt": "p" * (bound + 1), "answer": "x"}) + "\n")
     with pytest.raises(SubmitError, match=f"dataset row 1 .* is {bound + 1} characters"):
-        manager.validate(parse_submission({**job, "system": ""}))
+        manager.submissions.validate(parse_submission({**job, "system": ""}))
 
 
 def test_a_long_idempotency_key_is_refused(manager):
     job = {"task": "addition", "steps": 2, "tenant": "acme", "idempotency_key": "k" * 129}
     with pytest.raises(SubmitError, match="idempotency_key must be at most 128 characters"):
-        manager.validate(parse_submission(job))
+        manager.submissions.validate(parse_submission(job))
 
 
 # --- the data a submission names (issue 48, M3) ------------------------------------------------------
@@ -205,10 +207,10 @@ def test_a_dataset_over_the_tenants_bound_is_refused_before_it_is_read(manager, 
     def unread(*args):
         raise AssertionError("read the data of a submission over its tenant's bound")
 
-    monkeypatch.setattr(manager.files, "task", unread)
+    monkeypatch.setattr(manager.submissions.files, "task", unread)
     chained = {**job, "then": {**link, "then": {**link, "then": link}}}  # 4 links x 300 rows
     with pytest.raises(SubmitError, match=r"is 1,200 rows, above tenant acme's bound \(max_dataset_rows = 1,000\)"):
-        manager.validate(parse_submission(chained), tenant)
+        manager.submissions.validate(parse_submission(chained), tenant)
     small = msgspec.structs.replace(tenant, max_dataset_bytes=uploaded.size - 1)
     with pytest.raises(SubmitError, match=rf"is {uploaded.size:,} bytes, above .*max_dataset_bytes"):
-        manager.validate(parse_submission(job), small)
+        manager.submissions.validate(parse_submission(job), small)

@@ -142,7 +142,7 @@ def _victims(rng: random.Random):
         yield rng.choices(list(VICTIMS), weights=list(VICTIMS.values()))[0]
 
 
-def _gap(versions_left: int, kills_left: int) -> int:
+def kill_gap(versions_left: int, kills_left: int) -> int:
     """Versions to wait between kills: two while there are versions to spare, fewer near the end
     (a run must still reach its kills before its jobs finish). The margins are wide because
     versions keep committing while a killed service restarts (progress is read off the broker,
@@ -208,14 +208,14 @@ def run_chaos(jobs: int = 4, steps: int = 12, min_kills: int = 20, nats_restarts
                 elif (time.monotonic() >= next_kill
                       and (done := sum(kills.values()) - kills["nats-server"]
                            + sum(_injected_crashes(trainer_log).values())) < min_kills
-                      and progress >= last_kill_at + _gap(jobs * steps - progress, min_kills - done)):
+                      and progress >= last_kill_at + kill_gap(jobs * steps - progress, min_kills - done)):
                     victim = next(victims)
                     stack.kill(victim)
                     stack.supervise()
                     kills[victim] += 1
                     last_kill_at = progress
                     on_event(f"killed {victim} at {progress} versions")
-                    behind = _gap(jobs * steps - progress, min_kills - done - 1) < 2  # short of versions
+                    behind = kill_gap(jobs * steps - progress, min_kills - done - 1) < 2  # short of versions
                     next_kill = time.monotonic() + (rng.uniform(0.2, 1.0) if behind else rng.uniform(0.5, 3.0))
                 time.sleep(0.3)
             # the last garbage collection pass runs in the background after the last commit, and

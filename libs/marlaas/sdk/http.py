@@ -264,7 +264,7 @@ class Client:
             raise BadRequest(f"init_from = {value!r}: no such local directory: give the PEFT adapter directory "
                              "(relative to the job file), an uploaded adapter's id (adapter-...), JOB@VERSION or a "
                              "tinker:// path")
-        config_json, weights = _adapter_files(folder)
+        config_json, weights = read_adapter_dir(folder)
         adapter_id = adapter_id_of(config_json, weights)
         if adapter_id in {a.id for a in self.adapters()}:
             return adapter_id
@@ -275,7 +275,7 @@ class Client:
         ``adapter_model.safetensors``, as peft's ``save_pretrained`` writes it); a job starts from
         it with ``init_from`` = the ``id`` returned."""
         folder = Path(path).expanduser()
-        return self._upload_adapter_files(*_adapter_files(folder), name or folder.name)
+        return self._upload_adapter_files(*read_adapter_dir(folder), name or folder.name)
 
     def _upload_adapter_files(self, config_json: bytes, weights: bytes, name: str) -> AdapterInfo:
         reply = self._request("POST", "/v1/adapters", params={"name": name},
@@ -382,7 +382,7 @@ class Client:
                               "event's id") from exc
 
 
-def _adapter_files(folder: Path) -> tuple[bytes, bytes]:
+def read_adapter_dir(folder: Path) -> tuple[bytes, bytes]:
     """The (config JSON, weights) of the PEFT adapter directory ``folder``."""
     try:
         return (folder / CONFIG_FILE).read_bytes(), (folder / WEIGHTS_FILE).read_bytes()

@@ -1,3 +1,4 @@
+# over 500 lines: tools and rewards share one serving shell (decode, call, answer, reconnect)
 """The tools SDK: serve a tenant's tools and rewards to marlaas from a plain Python file.
 
     from marlaas.tools import serve, tool
