@@ -175,3 +175,21 @@ def test_a_workload_names_the_runs_it_can_run(tmp_path):
                        'task = "addition"\n')
         with pytest.raises(WorkloadError, match="runs"):
             load_fairness_workload(str(bad))
+
+
+def test_where_the_victims_versions_went_shows_the_wait_for_the_trainer():
+    """Two versions of b's: generated 0.2 s, rewarded, then waited 1 s and 3 s for a trainer busy
+    with another tenant's step; a's spans are left out."""
+    from marlaas.bench.fairness import version_phases_ms
+
+    spans = [span("b.j", "commit", 0.0, 0.1, version=0)]
+    for v, start, wait in ((0, 0.2, 1.0), (1, 2.0, 3.0)):
+        spans += [span("b.j", "generate", start, start + 0.2, version=v),
+                  span("b.j", "reward", start + 0.2, start + 0.3, version=v),
+                  span("b.j", "train", start + 0.3 + wait, start + 0.4 + wait, version=v, service="trainer"),
+                  span("b.j", "commit", start + 0.4 + wait, start + 0.5 + wait, version=v + 1, service="trainer")]
+    spans.append(span("a.j", "train", 0.5, 4.0, service="trainer"))
+    phases = version_phases_ms(spans, "b.j")
+    assert phases["ready_to_train"] == pytest.approx(2000.0) and phases["generate"] == pytest.approx(200.0)
+    assert phases["train"] == pytest.approx(100.0) and phases["handoff"] == pytest.approx(200.0)  # 0.1 s, 0.3 s
+    assert version_phases_ms(spans, "c.j")["generate"] is None

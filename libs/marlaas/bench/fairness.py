@@ -343,6 +343,22 @@ def shares(spans: Sequence[Span], metered: Sequence[Metered], weights: dict[str,
     }
 
 
+def version_phases_ms(spans: Sequence[Span], job: str) -> dict[str, float | None]:
+    """Where ``job``'s versions went, the mean of each phase (ms): the handoff to rollout, its
+    generation, rewards, the wait for the trainer (``ready_to_train``), the train step and the commit."""
+    from marlaas.bench.metrics import handoffs_ms, ready_to_train_ms
+
+    own = [s for s in spans if s.job == job]
+
+    def mean(values: list[float]) -> float | None:
+        return sum(values) / len(values) if values else None
+
+    return {"handoff": mean(handoffs_ms(own)), **{
+        phase: mean([(s.end - s.start) * 1000 for s in own if s.phase == phase]) for phase in ("generate", "reward")},
+        "ready_to_train": mean(ready_to_train_ms(own)),
+        **{phase: mean([(s.end - s.start) * 1000 for s in own if s.phase == phase]) for phase in ("train", "commit")}}
+
+
 def alone_rates(spans: Sequence[Span], metered: Sequence[Metered], tenant: str) -> dict[str, float | None]:
     """A tenant's engine tokens and trainer seconds per second while it was busy alone: its demand."""
     return {"engine_rate": busy_rate([w for w in engine_work(metered, spans) if w.tenant == tenant],
@@ -555,6 +571,7 @@ def run_figures(spans: Sequence[Span], metered: Sequence[Metered], views: list[d
     return {"run": label, "jobs": {t: sum(v["tenant"] == t for v in views) for t in weights}, **alone,
             "completed": sum(v["state"] == "completed" for v in views), "steps": steps, "wall_s": wall,
             "steps_per_hour": steps / wall * 3600 if wall > 0 else 0.0, "victim_tpts_s": victim["tpts_s"],
+            "victim_phases_ms": version_phases_ms(mine, victim["id"]),
             "tinker_samples": samples, **(shares(mine, metered, weights) if len(weights) > 1 else {
                 "engine_share_vs_weight": None, "trainer_share_vs_weight": None})}
 
@@ -630,6 +647,13 @@ def markdown_fairness(result: dict, checks: Sequence[TargetCheck]) -> str:
         parts.append(f"- {kind} share over the max-min fair share (the victim owed no more than it asks for alone): "
                      + ", ".join(f"{t} {_fmt(fair.get(t))} (FIFO {_fmt(fifo.get(t))})" for t in tenants))
     parts.append("")
+    phases = list(result["runs"][0].get("victim_phases_ms") or {})
+    if phases:
+        parts += ["Where the victim's versions went (means, ms):", "",
+                  "| run | " + " | ".join(phases) + " |", "|" + "---|" * (1 + len(phases))]
+        parts += [f"| {r['run']} | " + " | ".join(_fmt((r.get("victim_phases_ms") or {}).get(p), "{:.0f}")
+                                                for p in phases) + " |" for r in result["runs"]]
+        parts.append("")
     if checks:
         parts += ["Targets (the fair-share run):", ""] + [f"- {c.line()}" for c in checks] + [""]
     return "\n".join(parts)
