@@ -33,6 +33,8 @@ from marlaas.vllm_plugin import KERNELS_ENV
 from services.rollout.fair_share import FairShare, RunningShares
 from services.rollout.utilization import Utilization
 
+PREEMPTED = object()  # a request's run that the fair share took out of the engine
+
 
 @contextlib.contextmanager
 def cpu_engine_process(config: Config, args) -> Iterator[None]:
@@ -116,9 +118,9 @@ class PolicyEngine:
         os.environ[KERNELS_ENV] = config.rollout.cpu_lora_kernels  # read by marlaas.vllm_plugin in the engine core
         # tenants' weighted shares of the waiting queue (not under frontier dispatch, which orders it itself)
         self.fair = FairShare() if config.rollout.fair_share and config.rollout.dispatch == "fifo" else None
-        # ... and their running requests' shares, once rollout.fair_share_running run
+        # ... and of its running requests while several tenants are busy (under either dispatch)
         self.running = (RunningShares(config.rollout.fair_share_running)
-                        if self.fair is not None and config.rollout.fair_share_running else None)
+                        if config.rollout.fair_share and config.rollout.fair_share_running else None)
         self.weights: dict[str, float] = {}  # tenant -> weight (the rollout service keeps it current)
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs
@@ -289,31 +291,60 @@ class PolicyEngine:
         return logprobs_P_V
 
     async def _run(self, prompt_ids: list[int], params, lora, priority: int, tenant: str = "", rank: int = 1):
-        """vLLM's final output of one request (``params.n == 1``); with fair share on, placed in
-        the queue by ``tenant``'s share (its cost: the prompt and the token budget)."""
+        """vLLM's final output of one request (``params.n == 1``); with fair share on, let into the
+        engine within ``tenant``'s share of its running requests (:class:`RunningShares`: run again
+        from the start if preempted) and placed in vLLM's queue by its tenant's share (its cost:
+        the prompt and the token budget)."""
+        cost = len(prompt_ids) + (params.max_tokens or 0)
+        ticket = self.running.ticket(tenant, cost, rank) if self.running is not None and tenant else None
+        try:
+            while True:
+                if ticket is not None:
+                    await self.running.enter(ticket, self.weights)  # held back while over its share
+                final = await self._attempt(prompt_ids, params, lora, priority, tenant, rank, ticket)
+                if final is not PREEMPTED:
+                    break
+        finally:
+            if ticket is not None:
+                self.running.leave(ticket, self.weights)
+        if final is None or len(final.outputs) != 1:
+            raise RuntimeError(f"engine returned no completion for a {len(prompt_ids)}-token prompt")
+        return final
+
+    async def _attempt(self, prompt_ids: list[int], params, lora, priority: int, tenant: str, rank: int, ticket):
+        """One run of a request in vLLM: its final output, or :data:`PREEMPTED` when the fair
+        share took it out of the engine (vLLM aborted it)."""
         from vllm.inputs import TokensPrompt
 
-        final, share, entered = None, None, False
-        if self.running is not None and tenant:
-            await self.running.enter(tenant, self.weights)  # held back while its share of them runs
-            entered = True
+        share = None
         if self.fair is not None and tenant:
             share, priority = self.fair.admit(tenant, len(prompt_ids) + (params.max_tokens or 0),
                                               self.weights.get(tenant, 1.0), rank)
-        try:
+
+        async def final_output():
+            final = None
             with self.utilization.engine_request():
                 async for output in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
                                                          request_id=uuid.uuid4().hex, lora_request=lora,
                                                          priority=priority):
                     final = output
+            return final
+
+        try:
+            if ticket is None:
+                return await final_output()
+            run = asyncio.ensure_future(final_output())  # a task of its own: a preemption cancels it alone
+            ticket.stop = run.cancel
+            return await run
+        except asyncio.CancelledError:
+            if ticket is None or not ticket.preempted or asyncio.current_task().cancelling():
+                raise
+            return PREEMPTED  # vLLM aborted it (its generate's own cancel handling); it runs again
         finally:
+            if ticket is not None:
+                ticket.stop = None
             if share is not None:
                 self.fair.done(share)
-            if entered:
-                self.running.leave(tenant, self.weights)
-        if final is None or len(final.outputs) != 1:
-            raise RuntimeError(f"engine returned no completion for a {len(prompt_ids)}-token prompt")
-        return final
 
     def shutdown(self) -> None:
         """Stop the engine core: vLLM SIGTERMs it and, after ``ENGINE_STOP_S``, SIGKILLs it. Its

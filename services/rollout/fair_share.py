@@ -14,18 +14,27 @@ Pure bookkeeping; the engine (``services/rollout/engine.py``) asks for a tag whe
 request and says when the request is over.
 
 vLLM runs every request it has room for in one batch, each running sequence getting a token per
-step: the tags order only what *waits*, and with free KV cache nothing does. With
-``rollout.fair_share_running`` = R, :class:`RunningShares` holds requests back before vLLM: once
-R requests run, a tenant at its weighted share of R (among the tenants with requests in) waits for
-one of its own to finish, so while several tenants are busy their running requests, and tokens,
-follow the weights; a tenant alone, or below its share, is never held (work-conserving up to R).
+step: the tags order only what *waits*, and with free KV cache nothing does, so volume decides, and
+a step's time grows with its batch. :class:`RunningShares` bounds what *runs*
+(``rollout.fair_share_running`` = R): while two or more tenants are busy (requests in, held, or
+one finished within :data:`LINGER_S`), the engine runs at most R of their requests, divided by
+weight, max-min (:func:`running_quotas`); the rest wait in our own queue, not vLLM's, and the least
+served tenant for its weight goes in next (:func:`next_turn`: S-LoRA's virtual token counter). A
+tenant alone is not bounded by us: it may fill the engine. When another tenant comes, the one over
+its quota is preempted (:func:`preempted`): its lowest-priority, latest requests are aborted in
+vLLM (which cannot preempt by tenant) and held again in their place, to run again from the start
+with the same seed (every request has one), so the samples are those it would have drawn. So a
+tenant's time per step is bounded by the engine's step at R sequences, whatever the others' volume.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
-from collections import Counter, deque
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 
 from marlaas.platform.api import PRIORITIES
 
@@ -73,58 +82,152 @@ class FairShare:
             self.served = max(self.served, start)
 
 
-def may_run(tenant: str, running: dict[str, int], waiting: dict[str, int], weights: dict[str, float],
-            bound: int) -> bool:
-    """Whether a request of ``tenant`` may go into the engine now: fewer than ``bound`` run, it is
-    the only tenant with requests in, or it runs fewer than its weighted share of ``bound`` among
-    the tenants with requests running or waiting (itself included)."""
-    if sum(running.values()) < bound:
-        return True
-    active = {t for t, n in running.items() if n > 0} | {t for t, n in waiting.items() if n > 0} | {tenant}
-    if active == {tenant}:
-        return True  # alone: all of it
-    share = bound * weights.get(tenant, 1.0) / sum(weights.get(t, 1.0) for t in active)
-    return running.get(tenant, 0) < max(share, 1.0)
+LINGER_S = 5.0  # a tenant between two versions (its batch training, its rewards) still counts as busy
+
+
+def running_quotas(demand: Mapping[str, int], present: Iterable[str], weights: Mapping[str, float],
+                   bound: int) -> dict[str, int] | None:
+    """How many requests each tenant ``present`` may run in the engine now: ``bound`` divided by
+    weight, max-min (a tenant wanting less than its share, ``demand``: running and held, leaves the
+    rest to the others by weight), whole requests, at least one each that wants any. None when
+    fewer than two tenants are present, or ``bound`` is 0: no bound of ours, the engine's own."""
+    present = sorted(set(present))
+    if bound <= 0 or len(present) < 2:
+        return None
+    left, open_, share = float(bound), {t: weights.get(t, 1.0) for t in present}, {}
+    while open_:
+        total = sum(open_.values())
+        capped = {t: demand.get(t, 0) for t in open_ if demand.get(t, 0) <= left * open_[t] / total}
+        if not capped:
+            share.update({t: left * w / total for t, w in open_.items()})
+            break
+        for t, wanted in capped.items():
+            share[t] = wanted
+            left -= wanted
+            del open_[t]
+    quotas = {t: max(int(s + 1e-9), min(demand.get(t, 0), 1)) for t, s in share.items()}
+    spare = min(bound, sum(demand.get(t, 0) for t in present)) - sum(quotas.values())
+    for t in sorted(share, key=lambda t: (quotas[t] - share[t], t)):  # the largest remainders first
+        if spare <= 0:
+            break
+        if quotas[t] < demand.get(t, 0):
+            quotas[t] += 1
+            spare -= 1
+    return quotas
+
+
+def next_turn(held: Mapping[str, int], running: Mapping[str, int], quotas: Mapping[str, int] | None,
+              served: Mapping[str, float]) -> str | None:
+    """The tenant whose held request goes into the engine next: of those with requests held and
+    room under their quota, the least served for its weight (S-LoRA's virtual token counter)."""
+    ready = [t for t, n in held.items() if n > 0 and (quotas is None or running.get(t, 0) < quotas.get(t, 0))]
+    return min(ready, key=lambda t: (served.get(t, 0.0), t), default=None)
+
+
+def preempted(running: Mapping[str, int], quotas: Mapping[str, int] | None) -> dict[str, int]:
+    """How many of each tenant's running requests to take out of the engine: those over its quota
+    (none while one tenant is alone)."""
+    if quotas is None:
+        return {}
+    return {t: n - quotas.get(t, 0) for t, n in running.items() if n > quotas.get(t, 0)}
+
+
+class Ticket:
+    """One engine request at the gate: its place among its tenant's (rank, then arrival), where it
+    is ("held", "engine", or "" before and after), and how to stop it in the engine."""
+
+    def __init__(self, tenant: str, cost: float, rank: int, seq: int) -> None:
+        self.tenant, self.cost, self.key = tenant, cost, (rank, seq)
+        self.place = ""
+        self.turn: asyncio.Future | None = None  # resolved when it is let in
+        self.stop: Callable[[], object] | None = None  # cancels its run in the engine
+        self.preempted = False  # taken out of the engine since it last entered
+
+    def __lt__(self, other: Ticket) -> bool:
+        return self.key < other.key
 
 
 class RunningShares:
-    """The requests in the engine per tenant, and those held back (:func:`may_run`), woken in the
-    order of the least running for its weight."""
+    """The requests in the engine per tenant and those held before it, with a tenant over its
+    quota (:func:`running_quotas`) preempted: its lowest-priority, latest requests taken out of the
+    engine and held again in their place, to run again from the start. The engine asks for a
+    :meth:`ticket` per request, :meth:`enter` s before submitting it (again after a preemption,
+    which calls the ticket's ``stop``) and says when it :meth:`leave` s."""
 
-    def __init__(self, bound: int) -> None:
-        self.bound = bound
-        self.running: Counter[str] = Counter()
-        self.held: dict[str, deque[asyncio.Future]] = {}
+    def __init__(self, bound: int, linger_s: float = LINGER_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.bound, self.linger_s, self.clock = bound, linger_s, clock
+        self.in_engine: dict[str, set[Ticket]] = {}
+        self.held: dict[str, list[Ticket]] = {}  # per tenant, sorted by (rank, arrival)
+        self.served: dict[str, float] = {}  # tenant -> tokens let in over its weight (a preempted one counts again)
+        self.last_busy: dict[str, float] = {}  # tenant -> when its last request left the engine
+        self._seq = itertools.count()
+
+    @property
+    def running(self) -> Counter[str]:
+        return Counter({t: len(s) for t, s in self.in_engine.items() if s})
 
     def waiting(self) -> dict[str, int]:
         return {t: len(q) for t, q in self.held.items() if q}
 
-    async def enter(self, tenant: str, weights: dict[str, float]) -> None:
-        if not self.held.get(tenant) and may_run(tenant, self.running, self.waiting(), weights, self.bound):
-            self.running[tenant] += 1
-            return
-        turn = asyncio.get_running_loop().create_future()
-        self.held.setdefault(tenant, deque()).append(turn)
-        try:
-            await turn  # ``leave`` counts it running before it wakes
-        except BaseException:
-            if turn.done() and not turn.cancelled():
-                self.leave(tenant, weights)  # woken, then cancelled: give its place on
-            elif turn in self.held.get(tenant, ()):
-                self.held[tenant].remove(turn)
-            raise
+    def ticket(self, tenant: str, cost: float, rank: int = RANKS["normal"]) -> Ticket:
+        """A request of ``tenant`` costing ``cost`` tokens, of a job of ``rank`` (:data:`RANKS`)."""
+        return Ticket(tenant, cost, rank, next(self._seq))
 
-    def leave(self, tenant: str, weights: dict[str, float]) -> None:
-        self.running[tenant] -= 1
-        if self.running[tenant] <= 0:
-            del self.running[tenant]
-        while True:  # wake who may run now, the least running for its weight first
-            queued = sorted((t for t, q in self.held.items() if q),
-                            key=lambda t: (self.running.get(t, 0) / weights.get(t, 1.0), t))
-            woken = next((t for t in queued if may_run(t, self.running, self.waiting(), weights, self.bound)), None)
-            if woken is None:
-                return
-            turn = self.held[woken].popleft()
-            if not turn.done():
-                self.running[woken] += 1
-                turn.set_result(None)
+    def present(self) -> set[str]:
+        """The tenants with requests in or held, or one in the engine within ``linger_s``."""
+        now = self.clock()
+        return ({t for t, s in self.in_engine.items() if s} | set(self.waiting())
+                | {t for t, at in self.last_busy.items() if now - at < self.linger_s})
+
+    async def enter(self, ticket: Ticket, weights: Mapping[str, float]) -> None:
+        """Until ``ticket`` may run in the engine (at once if its tenant is under its quota); a
+        preempted ticket enters again the same way, from its old place."""
+        if ticket.place == "":
+            self._hold(ticket)
+            self._settle(weights)
+        while ticket.place != "engine":  # (let in, then preempted again before it woke: wait on)
+            ticket.turn = asyncio.get_running_loop().create_future()
+            try:
+                await ticket.turn  # ``_settle`` moves it into the engine before it wakes
+            except BaseException:
+                self.leave(ticket, weights)  # held: given up; let in: give its place on
+                raise
+        ticket.preempted = False
+
+    def leave(self, ticket: Ticket, weights: Mapping[str, float]) -> None:
+        """``ticket``'s request is over, or given up."""
+        if ticket.place == "engine":
+            self.in_engine[ticket.tenant].discard(ticket)
+            self.last_busy[ticket.tenant] = self.clock()
+        elif ticket.place == "held":
+            self.held[ticket.tenant].remove(ticket)
+        ticket.place = ""
+        self._settle(weights)
+
+    def _hold(self, ticket: Ticket) -> None:
+        tenant = ticket.tenant
+        if tenant not in self.present():  # back after idling: level with the least served, no credit
+            self.served[tenant] = max(self.served.get(tenant, 0.0),
+                                      min((self.served.get(t, 0.0) for t in self.present()), default=0.0))
+        bisect.insort(self.held.setdefault(tenant, []), ticket)
+        ticket.place = "held"
+
+    def _settle(self, weights: Mapping[str, float]) -> None:
+        """Preempt who runs over its quota, then let in held requests while quotas allow."""
+        running, held = self.running, self.waiting()
+        demand = {t: running.get(t, 0) + held.get(t, 0) for t in set(running) | set(held)}
+        quotas = running_quotas(demand, self.present(), weights, self.bound)
+        for tenant, count in preempted(running, quotas).items():
+            for ticket in sorted(self.in_engine[tenant], reverse=True)[:count]:  # lowest rank, latest first
+                self.in_engine[tenant].discard(ticket)
+                self._hold(ticket)
+                ticket.preempted = True
+                if ticket.stop is not None:
+                    ticket.stop()
+        while (tenant := next_turn(self.waiting(), self.running, quotas, self.served)) is not None:
+            ticket = self.held[tenant].pop(0)
+            self.in_engine.setdefault(tenant, set()).add(ticket)
+            ticket.place = "engine"
+            self.served[tenant] = self.served.get(tenant, 0.0) + ticket.cost / weights.get(tenant, 1.0)
+            if ticket.turn is not None and not ticket.turn.done():
+                ticket.turn.set_result(None)

@@ -198,3 +198,31 @@ async def test_running_requests_follow_the_weights_once_the_bound_is_reached(eng
     assert len(both) > 4 and all(running == {"alice": 3, "bob": 1} for running in both[2:]), seen
     # once one tenant has nothing left waiting, the other takes the free places (work-conserving)
     assert any(sum(running.values()) == 4 and running.get("bob", 0) > 1 for running, _ in seen), seen
+
+
+async def test_a_tenant_that_filled_the_engine_alone_is_preempted_when_another_comes(engines):
+    """H5, volume: mallory's twelve long requests alone all run (no bound for a lone tenant); alice's
+    two come: mallory's latest ten are aborted in vLLM and held, so alice's run beside two of
+    mallory's (the bound 4, half each) and finish first; mallory's held ones then run again from
+    the start, and every one of hers still gets its whole budget."""
+    engine = engines("fused", fair_share_running=4)  # the previous test's engine
+    engine.weights = {}
+    engine.running.last_busy.clear()  # its tenants are gone, not between two versions
+    finished: list[str] = []
+
+    async def request(tenant: str, i: int, tokens: int):
+        out = await engine.generate(PROMPTS[i % len(PROMPTS)], max_tokens=tokens, temperature=1.0, lora=None,
+                                    seed=i, ignore_eos=True, tenant=tenant)
+        finished.append(tenant)
+        return out
+
+    mallory = [asyncio.create_task(request("mallory", i, 160)) for i in range(12)]
+    await asyncio.sleep(0.5)
+    assert engine.running.running == {"mallory": 12} and not finished  # alone: all of them in
+    alice = [asyncio.create_task(request("alice", i, 8)) for i in range(2)]
+    await asyncio.sleep(0)
+    assert engine.running.running == {"mallory": 2, "alice": 2} and engine.running.waiting() == {"mallory": 10}
+    await asyncio.gather(*alice)
+    assert finished == ["alice", "alice"], finished  # before any of mallory's
+    outs = await asyncio.gather(*mallory)
+    assert all(len(out.token_ids) == 160 for out in outs) and not engine.running.running

@@ -146,3 +146,50 @@ def test_max_min_fair_shares_owe_a_tenant_no_more_than_it_asks_for():
     # owed its half (it asked for more), it got 30 %: 0.6 of its fair share
     assert vs_fair(run, {"engine_rate": 90.0}, "engine", {"a": 1, "b": 1}, "b") == pytest.approx({"a": 1.4, "b": 0.6})
     assert vs_fair({}, {"engine_rate": 90.0}, "engine", {"a": 1, "b": 1}, "b") is None
+
+
+def test_the_hostile_volume_workload_gives_mallory_her_own_jobs_and_runs_alone_then_fair():
+    """H5's workload: mallory's eight jobs of 256 samples x 128 tokens (ignore_eos) over the shared
+    [job], alice's one small job submitted after mallory's fill the engine; no FIFO run, so its
+    figures are None and the report says so."""
+    hostile = load_fairness_workload("fairness-hostile")
+    mallory, alice = hostile.job_of("mallory"), hostile.job_of("alice")
+    assert mallory["grpo"] == {"prompts_per_step": 32, "group_size": 8, "max_new_tokens": 128, "ignore_eos": True}
+    assert alice == {"task": "addition"} and hostile.tenants["mallory"].jobs == 8
+    samples = mallory["grpo"]["prompts_per_step"] * mallory["grpo"]["group_size"]
+    assert samples * 128 >= 30 * 64 * 4  # at least 30x the victim's tokens a version, per job
+    assert hostile.runs == ("alone", "fair") and hostile.victim_after_s > 0 and hostile.stop_with_victim
+    assert hostile.sampler.in_flight == 0 and hostile.targets == {"victim_tpts_vs_alone": 2.5}
+
+    figures = fairness_figures({"victim_tpts_s": 0.5}, {"victim_tpts_s": 1.0, "steps_per_hour": 9.0,
+                                                         "engine_share_vs_weight": None,
+                                                         "trainer_share_vs_weight": None}, None)
+    assert figures["victim_tpts_vs_alone"] == pytest.approx(2.0)
+    assert figures["throughput_vs_fifo"] is None and figures["fifo"]["victim_tpts_vs_alone"] is None
+
+
+def test_a_workload_names_the_runs_it_can_run(tmp_path):
+    bad = tmp_path / "bad.toml"
+    for runs in ('["fair"]', '["alone"]', '["alone", "fast"]'):
+        bad.write_text(f'kind = "fairness"\nvictim = "b"\nruns = {runs}\n[tenants.a]\n[tenants.b]\n[job]\n'
+                       'task = "addition"\n')
+        with pytest.raises(WorkloadError, match="runs"):
+            load_fairness_workload(str(bad))
+
+
+def test_where_the_victims_versions_went_shows_the_wait_for_the_trainer():
+    """Two versions of b's: generated 0.2 s, rewarded, then waited 1 s and 3 s for a trainer busy
+    with another tenant's step; a's spans are left out."""
+    from marlaas.bench.fairness import version_phases_ms
+
+    spans = [span("b.j", "commit", 0.0, 0.1, version=0)]
+    for v, start, wait in ((0, 0.2, 1.0), (1, 2.0, 3.0)):
+        spans += [span("b.j", "generate", start, start + 0.2, version=v),
+                  span("b.j", "reward", start + 0.2, start + 0.3, version=v),
+                  span("b.j", "train", start + 0.3 + wait, start + 0.4 + wait, version=v, service="trainer"),
+                  span("b.j", "commit", start + 0.4 + wait, start + 0.5 + wait, version=v + 1, service="trainer")]
+    spans.append(span("a.j", "train", 0.5, 4.0, service="trainer"))
+    phases = version_phases_ms(spans, "b.j")
+    assert phases["ready_to_train"] == pytest.approx(2000.0) and phases["generate"] == pytest.approx(200.0)
+    assert phases["train"] == pytest.approx(100.0) and phases["handoff"] == pytest.approx(200.0)  # 0.1 s, 0.3 s
+    assert version_phases_ms(spans, "c.j")["generate"] is None

@@ -9,6 +9,12 @@ first submit to the last commit:
 - ``fair``: both tenants at once, with ``rollout.fair_share`` and ``trainer.fair_share`` on;
 - ``fifo``: the same on a stack with both off (first come first served: today's baseline).
 
+A workload may name fewer runs (``runs``), give a tenant a job of its own (``[tenants.NAME.job]``,
+over ``[job]``: a hostile volume), let the others start first (``victim_after_s``: their requests
+already fill the engine when the victim comes) and stop them once the victim's job is done
+(``stop_with_victim``: they are cancelled, their leftover work ending with the run's stack, so a
+run that stops them is its stack's last). ``benchmarks/workloads/fairness-hostile.toml`` is H5's.
+
 The figures, from what the services recorded (spans and the USAGE stream's metering events):
 
 - ``engine_share_vs_weight``: per tenant, its share of the engine's tokens (prefilled + generated)
@@ -58,6 +64,7 @@ ENGINE_PHASES = ("generate", "tinker_sample")
 TARGETS = {"engine_share_vs_weight": "within", "trainer_share_vs_weight": "within",
            "engine_share_vs_fair": "within", "trainer_share_vs_fair": "within",
            "victim_tpts_vs_alone": "at_most", "throughput_vs_fifo": "at_least"}
+RUNS = ("alone", "fair", "fifo")
 FAIR = {"rollout.fair_share": True, "trainer.fair_share": True}
 FIFO = {"rollout.fair_share": False, "trainer.fair_share": False}
 
@@ -66,15 +73,17 @@ FIFO = {"rollout.fair_share": False, "trainer.fair_share": False}
 
 
 class TenantLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One tenant of the benchmark: its weight and how many of the job it submits at once."""
+    """One tenant of the benchmark: its weight, how many of the job it submits at once, and what it
+    changes in the workload's job (``grpo`` key by key: a hostile tenant's volume)."""
 
     weight: float = 1.0
     jobs: int = 1
+    job: dict[str, Any] = {}
 
 
 class SamplerLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The victim's Tinker sampling loop, of the base model: ``in_flight`` requests at a time, each
-    sent again when it is answered."""
+    sent again when it is answered (0: no sampling loop, the victim's job alone)."""
 
     prompt_tokens: int = 24
     max_tokens: int = 16
@@ -96,6 +105,9 @@ class FairnessWorkload(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     sampler: SamplerLoad = SamplerLoad()
     config: dict[str, dict[str, Any]] = {}
     targets: dict[str, float] = {}
+    runs: tuple[str, ...] = RUNS  # which of the three to run
+    victim_after_s: float = 0.0  # > 0: the others submit first, the victim this long after
+    stop_with_victim: bool = False  # the others' jobs are cancelled once the victim's is done
 
     def __post_init__(self) -> None:
         from marlaas.platform.tenants import check_tenant_name, check_weight
@@ -109,8 +121,12 @@ class FairnessWorkload(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                 raise ValueError(f"tenants.{name}.jobs must be at least 1")
         if min(self.steps, self.quick_steps or self.steps) < 2:
             raise ValueError("steps must be at least 2 (time per step is measured from the second version)")
-        if self.sampler.in_flight < 1:
-            raise ValueError("sampler.in_flight must be at least 1")
+        if self.sampler.in_flight < 0:
+            raise ValueError("sampler.in_flight must be 0 (no sampling loop) or more")
+        if not set(self.runs) <= set(RUNS) or "alone" not in self.runs or len(self.runs) < 2:
+            raise ValueError(f"runs: \"alone\" and one or both of \"fair\", \"fifo\" (got {list(self.runs)})")
+        if self.victim_after_s < 0:
+            raise ValueError("victim_after_s must be 0 or more")
         if "task" not in self.job:
             raise ValueError("[job] needs a task")
         unknown = set(self.targets) - set(TARGETS)
@@ -126,6 +142,12 @@ class FairnessWorkload(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
     def overrides(self) -> dict[str, Any]:
         return {f"{section}.{key}": value for section, fields in self.config.items() for key, value in fields.items()}
+
+    def job_of(self, tenant: str) -> dict[str, Any]:
+        """The job ``tenant`` submits: ``[job]`` with the tenant's own changes (``grpo`` and ``lora``
+        key by key)."""
+        own = self.tenants[tenant].job
+        return {**self.job, **own, **{k: {**self.job.get(k, {}), **own[k]} for k in ("grpo", "lora") if k in own}}
 
 
 def _workload_path(name_or_path: str) -> Path:
@@ -321,6 +343,22 @@ def shares(spans: Sequence[Span], metered: Sequence[Metered], weights: dict[str,
     }
 
 
+def version_phases_ms(spans: Sequence[Span], job: str) -> dict[str, float | None]:
+    """Where ``job``'s versions went, the mean of each phase (ms): the handoff to rollout, its
+    generation, rewards, the wait for the trainer (``ready_to_train``), the train step and the commit."""
+    from marlaas.bench.metrics import handoffs_ms, ready_to_train_ms
+
+    own = [s for s in spans if s.job == job]
+
+    def mean(values: list[float]) -> float | None:
+        return sum(values) / len(values) if values else None
+
+    return {"handoff": mean(handoffs_ms(own)), **{
+        phase: mean([(s.end - s.start) * 1000 for s in own if s.phase == phase]) for phase in ("generate", "reward")},
+        "ready_to_train": mean(ready_to_train_ms(own)),
+        **{phase: mean([(s.end - s.start) * 1000 for s in own if s.phase == phase]) for phase in ("train", "commit")}}
+
+
 def alone_rates(spans: Sequence[Span], metered: Sequence[Metered], tenant: str) -> dict[str, float | None]:
     """A tenant's engine tokens and trainer seconds per second while it was busy alone: its demand."""
     return {"engine_rate": busy_rate([w for w in engine_work(metered, spans) if w.tenant == tenant],
@@ -346,11 +384,14 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def fairness_figures(alone: dict, fair: dict, fifo: dict, weights: dict[str, float] | None = None,
+def fairness_figures(alone: dict, fair: dict | None, fifo: dict | None, weights: dict[str, float] | None = None,
                      victim: str = "") -> dict:
-    """The ``fairness`` document from the three runs' figures (with ``weights`` and the ``victim``,
-    the shares over the max-min fair ones too)."""
-    def contended(run: dict) -> dict:
+    """The ``fairness`` document from the runs' figures (with ``weights`` and the ``victim``, the
+    shares over the max-min fair ones too); a run left out gives None figures."""
+    def contended(run: dict | None) -> dict:
+        if run is None:
+            return dict.fromkeys(("engine_share_vs_weight", "trainer_share_vs_weight", "victim_tpts_vs_alone",
+                                  "engine_share_vs_fair", "trainer_share_vs_fair"))
         figures = {"engine_share_vs_weight": run["engine_share_vs_weight"],
                    "trainer_share_vs_weight": run["trainer_share_vs_weight"],
                    "victim_tpts_vs_alone": ratio(run["victim_tpts_s"], alone["victim_tpts_s"])}
@@ -359,8 +400,8 @@ def fairness_figures(alone: dict, fair: dict, fifo: dict, weights: dict[str, flo
                             for kind in ("engine", "trainer")})
         return figures
 
-    return {**contended(fair), "throughput_vs_fifo": ratio(fair["steps_per_hour"], fifo["steps_per_hour"]),
-            "fifo": contended(fifo)}
+    throughput = ratio(fair["steps_per_hour"], fifo["steps_per_hour"]) if fair and fifo else None
+    return {**contended(fair), "throughput_vs_fifo": throughput, "fifo": contended(fifo)}
 
 
 def check_fairness_targets(fairness: dict, targets: dict[str, float]) -> list[TargetCheck]:
@@ -441,8 +482,9 @@ def _sample_loop(url: str, api_key: str, base_model: str, load: SamplerLoad, sto
 
 
 async def _wait(nats_url: str, ids: list[str], victim_job: str, stop_sampling: threading.Event, label: str,
-                progress, steps: int, timeout_s: float) -> list[dict]:
-    """Poll the jobs until all are finished; the sampling stops when the victim's job is."""
+                progress, steps: int, timeout_s: float, stop_others: bool = False) -> list[dict]:
+    """Poll the jobs until all are finished; the sampling stops when the victim's job is (and with
+    ``stop_others`` the other jobs are cancelled then)."""
     from marlaas.platform.nats_client import BusClient
 
     client = await BusClient.connect(nats_url)
@@ -455,6 +497,9 @@ async def _wait(nats_url: str, ids: list[str], victim_job: str, stop_sampling: t
             finished = {v.id for v in views if v.state in ("completed", "failed", "cancelled")}
             if victim_job in finished:
                 stop_sampling.set()
+                if stop_others:
+                    for job in set(ids) - finished:
+                        await client.cancel(job)
             if len(finished) == len(ids):
                 return [msgspec.to_builtins(v) for v in views]
             if time.monotonic() > deadline:
@@ -465,9 +510,11 @@ async def _wait(nats_url: str, ids: list[str], victim_job: str, stop_sampling: t
 
 
 def run_tenants(stack, workload: FairnessWorkload, tokens: dict[str, str], jobs: dict[str, int], sampling: bool,
-                steps: int, label: str, progress=None, timeout_s: float = 3600.0) -> dict:
+                steps: int, label: str, progress=None, timeout_s: float = 3600.0, stop_others: bool = False) -> dict:
     """Submit ``jobs[tenant]`` jobs for each tenant (with its token, through the gateway), the victim's
-    first, its Tinker client sampling meanwhile if ``sampling``; wait for all; return the run's figures."""
+    first (last, ``victim_after_s`` after the others, if that is set), its Tinker client sampling
+    meanwhile if ``sampling``; wait for all (cancelling the others' once the victim's is done, with
+    ``stop_others``); return the run's figures."""
     from marlaas.sdk import Client
 
     url = stack.gateway_url
@@ -475,19 +522,23 @@ def run_tenants(stack, workload: FairnessWorkload, tokens: dict[str, str], jobs:
     sampler = threading.Thread(target=_sample_loop, daemon=True, args=(
         f"{url}/tinker", f"tml-{tokens[workload.victim]}", stack.config.base_model or "builtin:chat",
         workload.sampler, stop, samples))
-    order = [workload.victim, *(t for t in jobs if t != workload.victim)]
+    others = [t for t in jobs if t != workload.victim]
+    head_start = workload.victim_after_s if others else 0.0
+    order = [*others, workload.victim] if head_start else [workload.victim, *others]
     started = time.time()
     ids: dict[str, list[str]] = {}
     try:
         for tenant in order:
+            if tenant == workload.victim and head_start:
+                time.sleep(head_start)  # the others' requests fill the engine first
             with Client(url, tokens[tenant]) as client:
-                ids[tenant] = [client.submit({**workload.job, "name": f"{label}-{tenant}-{i}", "seed": i,
+                ids[tenant] = [client.submit({**workload.job_of(tenant), "name": f"{label}-{tenant}-{i}", "seed": i,
                                               "steps": steps}) for i in range(jobs[tenant])]
-            if tenant == workload.victim and sampling:
+            if tenant == workload.victim and sampling and workload.sampler.in_flight:
                 sampler.start()
         every = [i for tenant in order for i in ids[tenant]]
         views = asyncio.run(_wait(stack.nats_url, every, ids[workload.victim][0], stop, label, progress, steps,
-                                  timeout_s))
+                                  timeout_s, stop_others))
     finally:
         stop.set()
         if sampler.is_alive():
@@ -520,6 +571,7 @@ def run_figures(spans: Sequence[Span], metered: Sequence[Metered], views: list[d
     return {"run": label, "jobs": {t: sum(v["tenant"] == t for v in views) for t in weights}, **alone,
             "completed": sum(v["state"] == "completed" for v in views), "steps": steps, "wall_s": wall,
             "steps_per_hour": steps / wall * 3600 if wall > 0 else 0.0, "victim_tpts_s": victim["tpts_s"],
+            "victim_phases_ms": version_phases_ms(mine, victim["id"]),
             "tinker_samples": samples, **(shares(mine, metered, weights) if len(weights) > 1 else {
                 "engine_share_vs_weight": None, "trainer_share_vs_weight": None})}
 
@@ -527,7 +579,9 @@ def run_figures(spans: Sequence[Span], metered: Sequence[Metered], views: list[d
 def _stack_runs(workload: FairnessWorkload, settings: dict, runs: list[tuple[str, bool]], quick: bool,
                 progress, base_model: str) -> list[dict]:
     """``runs`` (label, whether every tenant takes part) on one fresh stack with ``settings``, after
-    an untimed warm-up (a short job of each tenant, the victim sampling): first-use costs are not measured."""
+    an untimed warm-up (a short job of each tenant, the victim sampling, all run to the end):
+    first-use costs are not measured. A contended run stops the others with the victim if the
+    workload says so: it is the stack's last, so what they leave in flight measures nothing."""
     from marlaas.bench.runner import bench_stack
 
     everyone = {t: load.jobs for t, load in workload.tenants.items()}
@@ -536,20 +590,25 @@ def _stack_runs(workload: FairnessWorkload, settings: dict, runs: list[tuple[str
         mode = "fair" if settings["rollout.fair_share"] else "fifo"
         run_tenants(stack, workload, tokens, dict.fromkeys(everyone, 1), True, 2, f"{mode} warm-up", progress)
         return [run_tenants(stack, workload, tokens, everyone if contended else {workload.victim: 1}, True,
-                            workload.versions(quick), label, progress) for label, contended in runs]
+                            workload.versions(quick), label, progress,
+                            stop_others=contended and workload.stop_with_victim) for label, contended in runs]
 
 
 def run_fairness(workload: FairnessWorkload, quick: bool, progress=None, base_model: str = "") -> dict:
-    """The three runs (B alone and fair share on one stack, FIFO on another); the result document."""
+    """The workload's runs (B alone and fair share on one stack, FIFO on another); the result document."""
     import platform
 
-    alone, fair = _stack_runs(workload, FAIR, [("alone", False), ("fair", True)], quick, progress, base_model)
-    [fifo] = _stack_runs(workload, FIFO, [("fifo", True)], quick, progress, base_model)
+    on_fair = [(label, label == "fair") for label in ("alone", "fair") if label in workload.runs]
+    runs = _stack_runs(workload, FAIR, on_fair, quick, progress, base_model)
+    if "fifo" in workload.runs:
+        runs += _stack_runs(workload, FIFO, [("fifo", True)], quick, progress, base_model)
+    by_label = {r["run"]: r for r in runs}
     return {"workload": workload.name, "description": workload.description, "quick": quick,
             "steps_per_job": workload.versions(quick), "victim": workload.victim, "weights": workload.weights,
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-            "fairness": fairness_figures(alone, fair, fifo, workload.weights, workload.victim),
-            "runs": [alone, fair, fifo]}
+            "fairness": fairness_figures(by_label["alone"], by_label.get("fair"), by_label.get("fifo"),
+                                         workload.weights, workload.victim),
+            "runs": runs}
 
 
 # --- the report -----------------------------------------------------------------------------
@@ -578,7 +637,9 @@ def markdown_fairness(result: dict, checks: Sequence[TargetCheck]) -> str:
                      + " | ".join(shares_) + f" | {_fmt(r.get('engine_window_s'), '{:.1f}')} | "
                      f"{_fmt(r.get('trainer_window_s'), '{:.1f}')} |")
     f = result["fairness"]
-    parts += ["", f"- victim's TPTS against alone: fair share {_fmt(f['victim_tpts_vs_alone'])}x, "
+    tpts = {r["run"]: r["victim_tpts_s"] for r in result["runs"]}
+    parts += ["", "- victim's time per version: " + ", ".join(f"{run} {_fmt(s)} s" for run, s in tpts.items()),
+              f"- victim's TPTS against alone: fair share {_fmt(f['victim_tpts_vs_alone'])}x, "
               f"FIFO {_fmt(f['fifo']['victim_tpts_vs_alone'])}x",
               f"- throughput (all jobs' versions per hour), fair share over FIFO: {_fmt(f['throughput_vs_fifo'])}x"]
     for kind in ("engine", "trainer"):
@@ -586,6 +647,13 @@ def markdown_fairness(result: dict, checks: Sequence[TargetCheck]) -> str:
         parts.append(f"- {kind} share over the max-min fair share (the victim owed no more than it asks for alone): "
                      + ", ".join(f"{t} {_fmt(fair.get(t))} (FIFO {_fmt(fifo.get(t))})" for t in tenants))
     parts.append("")
+    phases = list(result["runs"][0].get("victim_phases_ms") or {})
+    if phases:
+        parts += ["Where the victim's versions went (means, ms):", "",
+                  "| run | " + " | ".join(phases) + " |", "|" + "---|" * (1 + len(phases))]
+        parts += [f"| {r['run']} | " + " | ".join(_fmt((r.get("victim_phases_ms") or {}).get(p), "{:.0f}")
+                                                for p in phases) + " |" for r in result["runs"]]
+        parts.append("")
     if checks:
         parts += ["Targets (the fair-share run):", ""] + [f"- {c.line()}" for c in checks] + [""]
     return "\n".join(parts)

@@ -52,12 +52,14 @@ class RolloutConfig(Section):
     # queueing, services/rollout/fair_share.py; `marlaas tenant set NAME --weight W`), each tenant's
     # own in arrival order; false = one first-come-first-served queue for every tenant
     fair_share: bool = True
-    # with fair_share: once this many requests run in the engine (0 = no bound), a tenant's next one
-    # waits while it has its weighted share of them running and another tenant has requests in too
-    # (services/rollout/fair_share.py: RunningShares): vLLM runs every request it takes in one batch,
-    # so weights alone order only what waits; this makes tenants' running requests, and so the
-    # engine's tokens, follow the weights while several tenants are busy
-    fair_share_running: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # with fair_share: while two or more tenants are busy, the engine runs at most this many of their
+    # requests, divided by weight; a tenant over its part is preempted (its latest requests aborted in
+    # vLLM and run again, same seed) and the rest wait before vLLM (services/rollout/fair_share.py:
+    # RunningShares). A tenant alone is not bounded. vLLM runs every request it takes in one batch and
+    # a step's time grows with it, so this bounds any tenant's step time whatever the others' volume;
+    # set it near the engine's throughput knee (this 2-core CPU's: ~128 sequences; an accelerator's:
+    # hundreds). 0 = no bound: volume decides (docs/tenants.md)
+    fair_share_running: Annotated[int, msgspec.Meta(ge=0)] = 128
     dtype: str = "float32"
     concurrency: int = 16  # jobs sampled at once by one replica
     # Tinker asample requests in one replica's engine at once (each up to 64 sequences), and of one
