@@ -30,9 +30,12 @@ from __future__ import annotations
 import re
 
 PREFIX = "marlaas"
+# a tenant's name: a subject token, a NATS account and user name. Its one home: JOB_ID here and
+# marlaas.platform.tenants (TENANT_RE, TOKEN_RE) are built from it
+TENANT_NAME = r"[a-z0-9][a-z0-9-]{0,31}"
 # a job id, <tenant>.<slug>: both parts subject-safe, so an id can never widen a subject filter (a
 # ">" or "*" in one would read all of a tenant's jobs at once). Used with fullmatch ("$" lets a "\n" by)
-JOB_ID = re.compile(r"([a-z0-9][a-z0-9-]{0,31})\.[a-z0-9][a-z0-9-]{0,63}")
+JOB_ID = re.compile(rf"({TENANT_NAME})\.[a-z0-9][a-z0-9-]{{0,63}}")
 
 
 def is_job_id(value: object) -> bool:
