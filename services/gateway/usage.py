@@ -17,6 +17,7 @@ import structlog
 from litestar import Request, get
 from litestar.params import Parameter
 
+from marlaas.platform import subjects
 from marlaas.platform.bus import USAGE_BUCKET, Bus
 from marlaas.platform.events import EventDecodeError
 from marlaas.platform.files import list_files
@@ -33,9 +34,9 @@ _DAY = re.compile(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$")
 async def usage_records(bus: Bus, tenant: str = "") -> list[UsageRecord]:
     """The ``usage`` records of ``tenant`` (every tenant's when empty); an unreadable one is
     logged and skipped."""
-    subject = f"$KV.{USAGE_BUCKET}.{tenant}.>" if tenant else f"$KV.{USAGE_BUCKET}.>"
+    subject = subjects.kv(USAGE_BUCKET, f"{tenant}.>" if tenant else ">")
     found = []
-    for msg in await read_messages(bus, f"KV_{USAGE_BUCKET}", subject, last_per_subject=True):
+    for msg in await read_messages(bus, subjects.kv_stream(USAGE_BUCKET), subject, last_per_subject=True):
         if not msg.data or (msg.headers and msg.headers.get("KV-Operation")):
             continue
         try:

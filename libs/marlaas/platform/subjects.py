@@ -23,6 +23,9 @@ subject                                     stream      from -> to
 ``marlaas.tool.<namespace>.<tool>``         (core)      rollout -> env, sandbox, tenants' tools
 ``marlaas.reward.<task or ns.name>``        (core)      rollout -> env, tenants' rewards
 ==========================================  ==========  =====================================
+
+A KV bucket's entries are messages too: key ``<key>`` of bucket ``<bucket>`` is subject
+``$KV.<bucket>.<key>`` of stream ``KV_<bucket>`` (:func:`kv`, :func:`kv_stream`).
 """
 
 from __future__ import annotations
@@ -114,6 +117,16 @@ def registry_announce(tenant: str) -> str:
 
 TOOL = f"{PREFIX}.tool"  # .<namespace>.<tool>: marlaas.tools.registry.tool_subject builds and checks it
 REWARD = f"{PREFIX}.reward"  # .<task> or .<namespace>.<name>: marlaas.tools.registry.reward_subject
+
+
+def kv_stream(bucket: str) -> str:
+    """The JetStream stream that holds KV ``bucket``."""
+    return f"KV_{bucket}"
+
+
+def kv(bucket: str, key: str = ">") -> str:
+    """The subject of ``key`` in KV ``bucket`` (a wildcard, e.g. ``"<tenant>.>"``, filters a read)."""
+    return f"$KV.{bucket}.{key}"
 
 # streams: what each holds (libs/marlaas/platform/bus.py creates them)
 JOBS_STREAM = job_events(">")

@@ -285,7 +285,7 @@ async def lock_tools_registry(bus: Bus) -> None:
     entries expire, and a delete purges through the stream API.)
     """
     await bus.kv_keys(TOOLS_BUCKET)  # opens (creates if missing) the bucket
-    config = (await bus.js.stream_info(f"KV_{TOOLS_BUCKET}")).config
+    config = (await bus.js.stream_info(subjects.kv_stream(TOOLS_BUCKET))).config
     if config.allow_rollup_hdrs:
         config.allow_rollup_hdrs = False
         await bus.js.update_stream(config)

@@ -148,7 +148,7 @@ async def list_tools(bus: Bus, namespace: str | None = None) -> list[ToolSpec]:
 async def registry_ttl_s(bus: Bus) -> float:
     """How long a registry entry lives after its last heartbeat (the bucket's max age)."""
     await bus.kv_keys(TOOLS_BUCKET)  # opens (creates if missing) the bucket
-    config = (await bus.js.stream_info(f"KV_{TOOLS_BUCKET}")).config
+    config = (await bus.js.stream_info(subjects.kv_stream(TOOLS_BUCKET))).config
     default = next(b.ttl_s for b in BUCKETS if b.name == TOOLS_BUCKET)
     return config.max_age or default
 
