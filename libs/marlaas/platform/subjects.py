@@ -115,8 +115,24 @@ def registry_announce(tenant: str) -> str:
     return f"{PREFIX}.registry.{tenant}.announce"
 
 
-TOOL = f"{PREFIX}.tool"  # .<namespace>.<tool>: marlaas.tools.registry.tool_subject builds and checks it
+TOOL = f"{PREFIX}.tool"  # .<namespace>.<tool>: marlaas.tools.registry.tool_subject checks the names
 REWARD = f"{PREFIX}.reward"  # .<task> or .<namespace>.<name>: marlaas.tools.registry.reward_subject
+
+
+def tool(namespace: str, name: str = ">") -> str:
+    """The request subject of ``namespace``'s tool ``name`` (``">"``: every tool of the namespace)."""
+    return f"{TOOL}.{namespace}.{name}"
+
+
+def reward(namespace: str, name: str = ">") -> str:
+    """The request subject of ``namespace``'s reward ``name`` (a built-in one's or a tenant's)."""
+    return f"{REWARD}.{namespace}.{name}"
+
+
+def task_reward(task: str = "*") -> str:
+    """The request subject of a built-in task's own reward (``"*"``: every task's, as env serves them;
+    one token, so it never matches a namespaced reward's two)."""
+    return f"{REWARD}.{task}"
 
 
 def kv_stream(bucket: str) -> str:
