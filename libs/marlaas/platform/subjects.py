@@ -25,7 +25,9 @@ subject                                     stream      from -> to
 ==========================================  ==========  =====================================
 
 A KV bucket's entries are messages too: key ``<key>`` of bucket ``<bucket>`` is subject
-``$KV.<bucket>.<key>`` of stream ``KV_<bucket>`` (:func:`kv`, :func:`kv_stream`).
+``$KV.<bucket>.<key>`` of stream ``KV_<bucket>`` (:func:`kv`, :func:`kv_stream`). The broker's
+permissions (``libs/marlaas/stack/broker_auth.py``) are built from these builders too, so what a
+tenant may reach is always what the services speak on.
 """
 
 from __future__ import annotations
@@ -71,8 +73,18 @@ def job_events(job: str = ">") -> str:
     return f"{PREFIX}.job.>" if job == ">" else f"{PREFIX}.job.*.{job}"
 
 
+def tenant_job_events(tenant: str = "*") -> str:
+    """Every kind of event of every job of ``tenant`` (a tenant's account imports them)."""
+    return job_events(f"{tenant}.>")
+
+
 def policy_committed(job: str = ">") -> str:
     return f"{PREFIX}.policy.committed.{job}"
+
+
+def tenant_policy_committed(tenant: str = "*") -> str:
+    """The commits of every job of ``tenant`` (a tenant's account imports them)."""
+    return policy_committed(f"{tenant}.>")
 
 
 TRAJECTORY_READY = f"{PREFIX}.trajectory.ready"  # .<tenant>.<name>: the trainer takes tenant turns on them
