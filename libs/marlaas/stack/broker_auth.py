@@ -53,7 +53,7 @@ from pathlib import Path
 import bcrypt
 import structlog
 
-from marlaas.platform import subjects
+from marlaas.platform import limits, subjects
 from marlaas.platform.bus import Bus
 from marlaas.platform.nats_access import (
     PLATFORM_ACCOUNT,
@@ -84,7 +84,7 @@ PLATFORM_EXPORTS = (
 # A tenant account's broker quotas: connections (tool replicas), subscriptions (tools, rewards,
 # event listeners) and the largest message it may publish (a tool's result; the SDK caps its
 # output far below this). The platform's own messages are not bound by these.
-TENANT_LIMITS = {"max_connections": 64, "max_subscriptions": 4096, "max_payload": 1024 * 1024}
+TENANT_LIMITS = {"max_connections": 64, "max_subscriptions": 4096, "max_payload": limits.MAX_TENANT_MESSAGE_BYTES}
 # What a tenant exports to the platform: every tool and reward it serves.
 TENANT_EXPORTS: tuple[PerTenant, ...] = (subjects.tool, subjects.reward)
 # What the sandbox user serves: the built-in python tool, in the queue group serve_tools gives it.
