@@ -23,18 +23,13 @@ from marlaas.platform.runtime import Runtime
 from marlaas.platform.telemetry import span
 from marlaas.tasks import get_task
 from marlaas.tasks.matchers import MATCHERS
-from marlaas.tools.registry import reward_subject as builtin_reward_subject
-from marlaas.tools.registry import serve_registrar
+from marlaas.tools.registry import reward_subject, serve_registrar
 from marlaas.tools.serving import decode_reward_request
 from services.env.judge import JUDGE_SUBJECT, Judge
 from services.env.rewards import RewardBook, score_matched
 from services.env.tools import serve_builtin_tools
 
 log = structlog.get_logger("env")
-
-
-def reward_subject(task: str) -> str:
-    return f"{subjects.REWARD}.{task}"
 
 
 async def run(rt: Runtime) -> None:
@@ -74,10 +69,10 @@ async def run(rt: Runtime) -> None:
 
         return answer
 
-    await rt.bus.serve(reward_subject("*"), "env", answer)
+    await rt.bus.serve(subjects.task_reward(), "env", answer)
     await rt.bus.serve(JUDGE_SUBJECT, "env", answer_judge)
     for name in MATCHERS:
-        await rt.bus.serve(builtin_reward_subject(name), "env", answer_matched(name))
+        await rt.bus.serve(reward_subject(name), "env", answer_matched(name))
     tools = await serve_builtin_tools(rt.bus, rt.config, files)
     await serve_registrar(rt.bus)
     rt.ready()

@@ -106,14 +106,15 @@ def _records(msgs: list[Msg]) -> list[JobRecord]:
 
 async def tenant_records(bus: Bus, tenant: str) -> list[JobRecord]:
     """``tenant``'s job records, in submission order."""
-    msgs = await read_messages(bus, f"KV_{JOBS_BUCKET}", f"$KV.{JOBS_BUCKET}.{tenant}.>", last_per_subject=True)
+    msgs = await read_messages(bus, subjects.kv_stream(JOBS_BUCKET), subjects.kv(JOBS_BUCKET, f"{tenant}.>"),
+                               last_per_subject=True)
     records = [r for r in _records(msgs) if r.spec.tenant == tenant]
     return sorted(records, key=lambda r: r.spec.submitted_at)
 
 
 async def all_records(bus: Bus) -> list[JobRecord]:
     """Every job record (for queue positions and the tenant-free /metrics)."""
-    msgs = await read_messages(bus, f"KV_{JOBS_BUCKET}", f"$KV.{JOBS_BUCKET}.>", last_per_subject=True)
+    msgs = await read_messages(bus, subjects.kv_stream(JOBS_BUCKET), subjects.kv(JOBS_BUCKET), last_per_subject=True)
     return _records(msgs)
 
 

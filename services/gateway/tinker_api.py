@@ -43,7 +43,7 @@ from services.gateway.context import ApiError, Gateway, gateway_of, json_object
 KEY_PREFIX = tinker_api_key("")  # "tml-"
 POLL_S = 10.0  # a retrieve_future waits this long for a pending future (the SDK's read timeout is 45 s)
 MAX_CHUNK_BYTES = 512 * 1024  # forward_backward chunks the SDK sends: each must fit one NATS message
-MAX_REQUEST_BYTES = 640 * 1024  # any one request: base64 in the queued JSON, it must fit a 1 MiB NATS message
+MAX_REQUEST_BYTES = limits.MAX_TINKER_REQUEST_BYTES  # any one request: base64 in the queued JSON, one NATS message
 MAX_CHUNK_DATUMS = 64  # ... and hold at most this many datums
 PROTO = "application/x-protobuf"
 CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")

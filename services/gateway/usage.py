@@ -17,9 +17,11 @@ import structlog
 from litestar import Request, get
 from litestar.params import Parameter
 
+from marlaas.platform import subjects
 from marlaas.platform.bus import USAGE_BUCKET, Bus
 from marlaas.platform.events import EventDecodeError
 from marlaas.platform.files import list_files
+from marlaas.platform.tenants import TENANT_RE
 from marlaas.platform.usage import USAGE_RECORD, UsageRecord, UsageReport, summarize
 from services.gateway.auth import authenticated_tenant, is_operator
 from services.gateway.context import ApiError, gateway_of
@@ -27,15 +29,14 @@ from services.gateway.reads import read_messages
 
 log = structlog.get_logger("gateway")
 _DAY = re.compile(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$")
-_TENANT = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 
 
 async def usage_records(bus: Bus, tenant: str = "") -> list[UsageRecord]:
     """The ``usage`` records of ``tenant`` (every tenant's when empty); an unreadable one is
     logged and skipped."""
-    subject = f"$KV.{USAGE_BUCKET}.{tenant}.>" if tenant else f"$KV.{USAGE_BUCKET}.>"
+    subject = subjects.kv(USAGE_BUCKET, f"{tenant}.>" if tenant else ">")
     found = []
-    for msg in await read_messages(bus, f"KV_{USAGE_BUCKET}", subject, last_per_subject=True):
+    for msg in await read_messages(bus, subjects.kv_stream(USAGE_BUCKET), subject, last_per_subject=True):
         if not msg.data or (msg.headers and msg.headers.get("KV-Operation")):
             continue
         try:
@@ -62,7 +63,7 @@ async def get_usage(request: Request, day: str = "", job: str = "",
         raise ApiError(400, f"day must be a UTC date as YYYY-MM-DD, e.g. 2026-01-31, not {day!r}")
     operator = is_operator(request)
     if operator:
-        if of and not _TENANT.fullmatch(of):
+        if of and not TENANT_RE.fullmatch(of):
             raise ApiError(400, f"no tenant {of!r}: a tenant name is lowercase letters, digits and '-'")
         whose = of
     else:

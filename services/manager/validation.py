@@ -30,6 +30,7 @@ import msgspec
 
 from marlaas.platform import api, limits
 from marlaas.platform.events import PIPELINE_MODES, TRUNCATED_MODES, GrpoSettings, JobRecord, JobSpec
+from marlaas.platform.tenants import TENANT_RE
 from marlaas.tasks import TaskError
 from marlaas.tasks.sft import steps_for_epochs
 from marlaas.tools.registry import BUILTIN_REWARDS, ToolNameError, split_qualified
@@ -37,7 +38,6 @@ from services.manager.admission import job_footprint
 from services.manager.sizing import longest_prompt_tokens, prompts_refusal, system_refusal
 
 _SLUG = re.compile(r"[^a-z0-9]+")
-_TENANT = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 
 DATA_FIELDS = ("dataset", "eval_dataset", "corpus")  # a submission's fields that name a data file
 CountTokens = Callable[[list[str]], list[int]]  # texts -> each one's tokens
@@ -119,7 +119,7 @@ def field_problems(request: api.SubmitRequest, facts: StackFacts) -> list[str]:
          f"idempotency_key must be at most {api.MAX_IDEMPOTENCY_KEY_CHARS} characters (send one per "
          "submission, e.g. a UUID)"),
         (len(request.name) > limits.MAX_NAME_CHARS, f"name must be at most {limits.MAX_NAME_CHARS} characters"),
-        (not _TENANT.match(request.tenant), "tenant must be lowercase letters, digits and '-'"),
+        (not TENANT_RE.match(request.tenant), "tenant must be lowercase letters, digits and '-'"),
         (not 1 <= request.steps <= limits.MAX_STEPS, f"steps must be between 1 and {limits.MAX_STEPS}"),
         (not 0 <= request.seed <= limits.MAX_JOB_SEED,
          f"seed must be between 0 and {limits.MAX_JOB_SEED} (2**63 - 1)"),

@@ -628,7 +628,7 @@ class Rollout:
         items = [RewardItem(problem=p, completion=text) for p, text in pairs]
         request = RewardRequest(job=spec.id, task=spec.task, items=items, dataset=spec.dataset or "",
                                 corpus=spec.corpus or "", tenant=spec.tenant)
-        subject = reward_subject(spec.reward) if spec.reward else f"{subjects.REWARD}.{spec.task}"
+        subject = reward_subject(spec.reward) if spec.reward else subjects.task_reward(spec.task)
         data, limit = encode(request), self.bus.nc.max_payload
         if len(data) > limit:  # never sendable: fail the job now rather than after every retry
             raise PoisonMessage(

@@ -1,11 +1,17 @@
 """The source tree by family (issues 29 and 49): few top-level modules in ``libs/marlaas``, the
 platform below the stack, the CLI and the SDK, the gateway laid out as a web service, and no
-circle of imports anywhere in ``libs/`` or ``services/``, read from the source (nothing is imported)."""
+circle of imports anywhere in ``libs/`` or ``services/``, read from the source (the graph imports
+nothing); and one home for each subject, limit and name (issues 36 and 49)."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+
+from marlaas.platform import limits, subjects, tenants
+from marlaas.stack import broker_auth
+from marlaas.tools import registry, serving
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBS = ROOT / "libs"
@@ -180,22 +186,64 @@ def test_the_platforms_data_files_name_no_task():
                 for m in deps if m.startswith("marlaas.tasks")}
 
 
-def test_subjects_and_limits_have_one_home_each():
-    """Every NATS subject is built by ``marlaas.platform.subjects`` (the broker's permission
-    patterns, ``stack/broker_auth.py``, aside); the job limits and the nesting of request bodies
-    live in ``marlaas.platform.limits``."""
-    import re
+SOURCES = [p for top in (LIBS, SERVICES) for p in top.rglob("*.py")]
 
-    subject = re.compile(r"""["']marlaas\.(job|policy|trajectory|span|tinker|api|registry|tool|reward)\.""")
-    sources = [p for top in (LIBS, SERVICES) for p in top.rglob("*.py")]
-    home = {PKG / "platform" / "subjects.py", PKG / "stack" / "broker_auth.py"}
-    strays = [f"{p.relative_to(LIBS.parent)}:{n}" for p in sources if p not in home
-              for n, line in enumerate(p.read_text().splitlines(), 1) if subject.search(line)]
-    assert not strays, f"subjects written out of marlaas.platform.subjects: {strays}"
+
+def strays(pattern: re.Pattern, home: set[Path]) -> list[str]:
+    """``path:line`` of every line of ``libs`` and ``services`` outside ``home`` that ``pattern`` finds."""
+    return [f"{p.relative_to(ROOT)}:{n}" for p in SOURCES if p not in home
+            for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+
+
+def test_subjects_and_limits_have_one_home_each():
+    """Every NATS subject is built by ``marlaas.platform.subjects``: the services', a KV bucket's
+    (``$KV.<bucket>.<key>`` of stream ``KV_<bucket>``) and the broker's permission patterns
+    (``stack/broker_auth.py`` builds them with the same builders, issue 49); no subject is built by
+    adding tokens to one of its constants elsewhere. The job limits, the nesting of request bodies
+    and the NATS message sizes live in ``marlaas.platform.limits``: no ``max_payload`` is written as
+    a number anywhere else, and the static broker configs under ``deploy/`` say what it says."""
+    home = {PKG / "platform" / "subjects.py"}
+    kinds = "job|policy|trajectory|span|usage|tinker|api|registry|tool|reward|tenant"
+    written = re.compile(rf"""["']marlaas\.({kinds})\.""")
+    assert not strays(written, home), f"subjects written out of marlaas.platform.subjects: {strays(written, home)}"
+    kv = re.compile(r"""["']\$KV\.|["']KV_""")
+    assert not strays(kv, home), f"KV subjects or streams written out of marlaas.platform.subjects: {strays(kv, home)}"
+    extended = re.compile(r"\{subjects\.[A-Z_]+\}\.\{")  # f"{subjects.REWARD}.{task}": a builder's work
+    assert not strays(extended, home), f"subjects extended out of marlaas.platform.subjects: {strays(extended, home)}"
+
     defined = re.compile(r"^(MAX_STEPS|MAX_VERSION|MAX_SEED|MAX_JOB_SEED|MAX_SAMPLING_SEED|MAX_ERROR_CHARS"
-                         r"|MAX_JSON_NESTING|MAX_NESTING)\s*=", re.M)
-    homes = [str(p.relative_to(LIBS.parent)) for p in sources if defined.search(p.read_text())]
+                         r"|MAX_JSON_NESTING|MAX_NESTING|MAX_MESSAGE_BYTES|MAX_TENANT_MESSAGE_BYTES"
+                         r"|MAX_TINKER_REQUEST_BYTES)\s*=", re.M)
+    homes = [str(p.relative_to(ROOT)) for p in SOURCES if defined.search(p.read_text())]
     assert homes == ["libs/marlaas/platform/limits.py"], homes
+    payload = re.compile(r"""max_payload["']?\s*[:=]\s*\d""")
+    assert not strays(payload, set()), f"max_payload set out of marlaas.platform.limits: {strays(payload, set())}"
+    configs = {p: re.findall(r"^max_payload:\s*(\d+)MB\b", p.read_text(), re.M)
+               for p in (ROOT / "deploy").rglob("*.conf") if "max_payload" in p.read_text()}
+    assert configs, "no broker config under deploy/ sets max_payload"
+    for path, found in configs.items():  # nats-server reads MB as MiB
+        assert [int(mb) << 20 for mb in found] == [limits.MAX_MESSAGE_BYTES], (path, found)
+
+
+def test_the_tenant_name_has_one_home():
+    """The tenant-name pattern is written once, as ``subjects.TENANT_NAME`` (issue 49); the job id
+    and the tenants' name and token checks are built from it."""
+    home = PKG / "platform" / "subjects.py"
+    written = re.compile(re.escape(subjects.TENANT_NAME))
+    assert not strays(written, {home}), f"the tenant-name pattern written again: {strays(written, {home})}"
+    assert home.read_text().count(subjects.TENANT_NAME) == 1
+    assert subjects.TENANT_NAME in subjects.JOB_ID.pattern
+    assert subjects.TENANT_NAME in tenants.TENANT_RE.pattern and subjects.TENANT_NAME in tenants.TOKEN_RE.pattern
+
+
+def test_what_must_fit_one_nats_message_does():
+    """The sizes that assume a NATS message's bound are held to ``limits`` (issue 49): a tool's
+    answer (JSON writes a character in at most 6 bytes) and an announcement fit a tenant's
+    message; a Tinker request, as base64 (4/3 of it) in its JSON, fits the broker's."""
+    assert 6 * serving.MAX_OUTPUT_CHARS < limits.MAX_TENANT_MESSAGE_BYTES
+    assert registry.MAX_SPEC_BYTES < limits.MAX_TENANT_MESSAGE_BYTES
+    assert broker_auth.TENANT_LIMITS["max_payload"] == limits.MAX_TENANT_MESSAGE_BYTES <= limits.MAX_MESSAGE_BYTES
+    assert 4 * -(-limits.MAX_TINKER_REQUEST_BYTES // 3) < limits.MAX_MESSAGE_BYTES
 
 
 def test_the_tinker_files_and_the_sdks_are_named_by_role():

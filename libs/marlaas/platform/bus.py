@@ -310,7 +310,7 @@ class Bus:
             ))
 
     async def _reconcile_bucket(self, bucket: str, ttl_s: float, replicas: int) -> None:
-        config = (await self.js.stream_info(f"KV_{bucket}")).config
+        config = (await self.js.stream_info(subjects.kv_stream(bucket))).config
         if (config.max_age or 0.0) == ttl_s and (config.num_replicas or 1) == replicas:
             return
         config.max_age = ttl_s or None
@@ -432,7 +432,7 @@ class Bus:
 
     async def _last_message(self, bucket: str, key: str):
         try:
-            return await self.js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}")
+            return await self.js.get_msg(subjects.kv_stream(bucket), subject=subjects.kv(bucket, key))
         except nats.js.errors.NotFoundError as exc:
             if is_transient(exc):
                 raise
@@ -462,7 +462,7 @@ class Bus:
         so a refusal then is checked against the key's next revision after ``revision``.
         """
         await self._bucket(bucket)
-        subject, msg_id = f"$KV.{bucket}.{key}", uuid.uuid4().hex
+        subject, msg_id = subjects.kv(bucket, key), uuid.uuid4().hex
         headers = {MSG_ID: msg_id}
         if revision is not None:
             headers[EXPECTED_REVISION] = str(revision)
@@ -488,7 +488,7 @@ class Bus:
     async def _written_after(self, bucket: str, subject: str, revision: int, msg_id: str) -> int | None:
         """The revision of the write ``msg_id`` if it is ``subject``'s first after ``revision``."""
         try:
-            msg = await self.js.get_msg(f"KV_{bucket}", seq=revision + 1, subject=subject, next=True)
+            msg = await self.js.get_msg(subjects.kv_stream(bucket), seq=revision + 1, subject=subject, next=True)
         except nats.js.errors.NotFoundError as exc:
             if is_transient(exc):
                 raise
@@ -502,7 +502,7 @@ class Bus:
         the deletion cannot bring it back by an update.
         """
         await self._bucket(bucket)
-        await self.purge(f"KV_{bucket}", f"$KV.{bucket}.{key}")
+        await self.purge(subjects.kv_stream(bucket), subjects.kv(bucket, key))
 
     async def purge(self, stream: str, subject: str) -> None:
         """Delete every message of ``stream`` stored under ``subject`` (wildcards allowed)."""
@@ -517,10 +517,10 @@ class Bus:
         that was just written; the stream's subject list cannot.)
         """
         await self._bucket(bucket)
-        prefix = f"$KV.{bucket}."
-        wanted = f"{prefix}{under}.>" if under else f"{prefix}>"
+        prefix = subjects.kv(bucket, "")
+        wanted = subjects.kv(bucket, f"{under}.>" if under else ">")
         info = await self._retrying(f"kv keys {bucket}", lambda: self.js.stream_info(
-            f"KV_{bucket}", subjects_filter=wanted))
+            subjects.kv_stream(bucket), subjects_filter=wanted))
         return sorted(subject[len(prefix):] for subject in (info.state.subjects or {}))
 
     # --- durable consumers ---------------------------------------------------------------

@@ -2,6 +2,11 @@
 the manager validates a job against them (``services/manager/validation.py``), the gateway checks
 version numbers, sampling seeds and the nesting of request bodies by them.
 
+NATS messages (issue 49): the broker's bound on one message, and a tenant account's, are set here
+and only here; the broker's configs are written from them (or, for the static files under
+``deploy/``, held to them by a test), and every size that must fit one message is checked
+against them (``tests/unit/test_layout.py``).
+
 Error texts (issue 35): a tenant's reward, tool or request can fail with any text; what is kept
 of it (a job's failure reason, a queued note, a Tinker future's error, a failure event on the
 JOBS stream) is read by every listing, the dashboard and ``/metrics``, so it is cut to one bound
@@ -35,6 +40,17 @@ MAX_SAMPLING_SEED = 2**31
 # SDKs' deepest body under 10; deeper is a 400 before the work (and recursion) a hostile body would cause
 MAX_JSON_NESTING = 32
 
+
+# the broker's max_payload: any one message on it (the embedded server's config, marlaas.stack.embedded_nats;
+# deploy/nats/marlaas.conf says 8MB, nats-server's MB being MiB). The services read it back from the server
+# (bus.nc.max_payload) where a message's size depends on a job's settings
+MAX_MESSAGE_BYTES = 8 << 20
+# a tenant account's max_payload (auth.conf, marlaas.stack.broker_auth): a tool's or reward's answer,
+# an announcement, anything a tenant's own process publishes
+MAX_TENANT_MESSAGE_BYTES = 1 << 20
+# one Tinker request the gateway takes: queued base64 in JSON, so about 4/3 of it is one message. It was
+# sized for a 1 MiB message; MAX_MESSAGE_BYTES would take more, but raising it changes what is accepted
+MAX_TINKER_REQUEST_BYTES = 640 * 1024
 
 # each version's rollouts kept for their tenant (``marlaas.platform.samples``): per version, the first
 # MAX_SAMPLE_GROUPS GRPO groups, the first MAX_SAMPLE_EPISODES episodes of each (as many as fit in

@@ -23,6 +23,11 @@ subject                                     stream      from -> to
 ``marlaas.tool.<namespace>.<tool>``         (core)      rollout -> env, sandbox, tenants' tools
 ``marlaas.reward.<task or ns.name>``        (core)      rollout -> env, tenants' rewards
 ==========================================  ==========  =====================================
+
+A KV bucket's entries are messages too: key ``<key>`` of bucket ``<bucket>`` is subject
+``$KV.<bucket>.<key>`` of stream ``KV_<bucket>`` (:func:`kv`, :func:`kv_stream`). The broker's
+permissions (``libs/marlaas/stack/broker_auth.py``) are built from these builders too, so what a
+tenant may reach is always what the services speak on.
 """
 
 from __future__ import annotations
@@ -30,9 +35,12 @@ from __future__ import annotations
 import re
 
 PREFIX = "marlaas"
+# a tenant's name: a subject token, a NATS account and user name. Its one home: JOB_ID here and
+# marlaas.platform.tenants (TENANT_RE, TOKEN_RE) are built from it
+TENANT_NAME = r"[a-z0-9][a-z0-9-]{0,31}"
 # a job id, <tenant>.<slug>: both parts subject-safe, so an id can never widen a subject filter (a
 # ">" or "*" in one would read all of a tenant's jobs at once). Used with fullmatch ("$" lets a "\n" by)
-JOB_ID = re.compile(r"([a-z0-9][a-z0-9-]{0,31})\.[a-z0-9][a-z0-9-]{0,63}")
+JOB_ID = re.compile(rf"({TENANT_NAME})\.[a-z0-9][a-z0-9-]{{0,63}}")
 
 
 def is_job_id(value: object) -> bool:
@@ -65,8 +73,18 @@ def job_events(job: str = ">") -> str:
     return f"{PREFIX}.job.>" if job == ">" else f"{PREFIX}.job.*.{job}"
 
 
+def tenant_job_events(tenant: str = "*") -> str:
+    """Every kind of event of every job of ``tenant`` (a tenant's account imports them)."""
+    return job_events(f"{tenant}.>")
+
+
 def policy_committed(job: str = ">") -> str:
     return f"{PREFIX}.policy.committed.{job}"
+
+
+def tenant_policy_committed(tenant: str = "*") -> str:
+    """The commits of every job of ``tenant`` (a tenant's account imports them)."""
+    return policy_committed(f"{tenant}.>")
 
 
 TRAJECTORY_READY = f"{PREFIX}.trajectory.ready"  # .<tenant>.<name>: the trainer takes tenant turns on them
@@ -109,8 +127,34 @@ def registry_announce(tenant: str) -> str:
     return f"{PREFIX}.registry.{tenant}.announce"
 
 
-TOOL = f"{PREFIX}.tool"  # .<namespace>.<tool>: marlaas.tools.registry.tool_subject builds and checks it
+TOOL = f"{PREFIX}.tool"  # .<namespace>.<tool>: marlaas.tools.registry.tool_subject checks the names
 REWARD = f"{PREFIX}.reward"  # .<task> or .<namespace>.<name>: marlaas.tools.registry.reward_subject
+
+
+def tool(namespace: str, name: str = ">") -> str:
+    """The request subject of ``namespace``'s tool ``name`` (``">"``: every tool of the namespace)."""
+    return f"{TOOL}.{namespace}.{name}"
+
+
+def reward(namespace: str, name: str = ">") -> str:
+    """The request subject of ``namespace``'s reward ``name`` (a built-in one's or a tenant's)."""
+    return f"{REWARD}.{namespace}.{name}"
+
+
+def task_reward(task: str = "*") -> str:
+    """The request subject of a built-in task's own reward (``"*"``: every task's, as env serves them;
+    one token, so it never matches a namespaced reward's two)."""
+    return f"{REWARD}.{task}"
+
+
+def kv_stream(bucket: str) -> str:
+    """The JetStream stream that holds KV ``bucket``."""
+    return f"KV_{bucket}"
+
+
+def kv(bucket: str, key: str = ">") -> str:
+    """The subject of ``key`` in KV ``bucket`` (a wildcard, e.g. ``"<tenant>.>"``, filters a read)."""
+    return f"$KV.{bucket}.{key}"
 
 # streams: what each holds (libs/marlaas/platform/bus.py creates them)
 JOBS_STREAM = job_events(">")

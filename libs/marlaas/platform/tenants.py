@@ -30,9 +30,9 @@ from marlaas.platform.events import Codec, Wire, encode
 
 log = structlog.get_logger("marlaas.platform.tenants")
 
-TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
+TENANT_RE = re.compile(rf"^{subjects.TENANT_NAME}$")
 # 128 random bits: with the longest name a token is 69 bytes, within the 72 that bcrypt reads
-TOKEN_RE = re.compile(r"^mlt_([a-z0-9][a-z0-9-]{0,31})_([0-9a-f]{32})$")
+TOKEN_RE = re.compile(rf"^mlt_({subjects.TENANT_NAME})_([0-9a-f]{{32}})$")
 DEFAULT_MAX_JOBS = 8
 # samples per version (grpo.prompts_per_step x grpo.group_size) of any one job of the tenant: one
 # tenant's 64 x 64 job would otherwise hold the shared engine for as long as 64 jobs of 8 x 8
@@ -285,7 +285,7 @@ async def lock_tools_registry(bus: Bus) -> None:
     entries expire, and a delete purges through the stream API.)
     """
     await bus.kv_keys(TOOLS_BUCKET)  # opens (creates if missing) the bucket
-    config = (await bus.js.stream_info(f"KV_{TOOLS_BUCKET}")).config
+    config = (await bus.js.stream_info(subjects.kv_stream(TOOLS_BUCKET))).config
     if config.allow_rollup_hdrs:
         config.allow_rollup_hdrs = False
         await bus.js.update_stream(config)

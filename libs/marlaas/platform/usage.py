@@ -164,9 +164,9 @@ async def read_usage(bus: Bus, tenant: str = "") -> list[UsageRecord]:
     """Every ``usage`` record (``tenant``'s only, if given), for the operator's tools; an
     unreadable one is logged and skipped. (The gateway reads them its own way, with a consumer
     that needs no acks.)"""
-    subject = f"$KV.{USAGE_BUCKET}.{tenant}.>" if tenant else f"$KV.{USAGE_BUCKET}.>"
+    subject = subjects.kv(USAGE_BUCKET, f"{tenant}.>" if tenant else ">")
     found = []
-    for data in await bus.read_all(f"KV_{USAGE_BUCKET}", subject):
+    for data in await bus.read_all(subjects.kv_stream(USAGE_BUCKET), subject):
         if not data:
             continue
         try:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import structlog
 
+from marlaas.platform.limits import MAX_MESSAGE_BYTES
 from marlaas.platform.nats_access import PLATFORM_ACCOUNT
 from marlaas.platform.processes import spawn
 from marlaas.stack.broker_auth import find_server_binary, write_private
@@ -127,7 +128,7 @@ class EmbeddedNats:
         text = (
             f'listen: "127.0.0.1:{self.port}"\n'
             f"jetstream {{\n  store_dir: \"{store}\"\n  sync_interval: always\n}}\n"
-            "max_payload: 8MB\n"
+            f"max_payload: {MAX_MESSAGE_BYTES}\n"
             f'pid_file: "{self.pid_file.resolve()}"\n'
         )
         if self.cluster is not None:

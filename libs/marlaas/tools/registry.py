@@ -102,7 +102,7 @@ def split_qualified(qualified: str) -> tuple[str, str]:
 
 def tool_subject(qualified: str) -> str:
     """The request subject of a tool: ``marlaas.tool.<namespace>.<tool>``."""
-    return f"{subjects.TOOL}.{qualify(qualified)}"
+    return subjects.tool(*split_qualified(qualified))
 
 
 def reward_subject(name: str) -> str:
@@ -111,11 +111,11 @@ def reward_subject(name: str) -> str:
     ``judge``; two tokens, so the env's per-task ``marlaas.reward.*`` does not match it), and
     ``marlaas.reward.<tenant>.<name>`` for a tenant's (``name`` = ``"<tenant>.<name>"``)."""
     if name in BUILTIN_REWARDS:
-        return f"{subjects.REWARD}.{BUILTIN}.{name}"
+        return subjects.reward(BUILTIN, name)
     namespace, dot, reward = name.rpartition(".")
-    if dot:
-        check_namespace(namespace)
-    return f"{subjects.REWARD}.{namespace}.{check_tool_name(reward)}" if dot else f"{subjects.REWARD}.{name}"
+    if not dot:
+        return subjects.task_reward(name)
+    return subjects.reward(check_namespace(namespace), check_tool_name(reward))
 
 
 # --- the registry ---------------------------------------------------------------------------
@@ -148,7 +148,7 @@ async def list_tools(bus: Bus, namespace: str | None = None) -> list[ToolSpec]:
 async def registry_ttl_s(bus: Bus) -> float:
     """How long a registry entry lives after its last heartbeat (the bucket's max age)."""
     await bus.kv_keys(TOOLS_BUCKET)  # opens (creates if missing) the bucket
-    config = (await bus.js.stream_info(f"KV_{TOOLS_BUCKET}")).config
+    config = (await bus.js.stream_info(subjects.kv_stream(TOOLS_BUCKET))).config
     default = next(b.ttl_s for b in BUCKETS if b.name == TOOLS_BUCKET)
     return config.max_age or default
 

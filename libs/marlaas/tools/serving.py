@@ -69,7 +69,7 @@ from marlaas.tools.registry import (
 
 log = structlog.get_logger("marlaas.tools")
 
-MAX_OUTPUT_CHARS = 100_000  # keeps a reply well under NATS' 1 MB payload limit
+MAX_OUTPUT_CHARS = 100_000  # keeps a reply well within a tenant's message (limits.MAX_TENANT_MESSAGE_BYTES)
 Delay = Callable[[str], float]  # qualified tool name -> seconds to wait before the call
 
 
