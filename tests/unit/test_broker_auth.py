@@ -8,7 +8,7 @@ import bcrypt
 import pytest
 
 from marlaas.platform import nats_access
-from marlaas.platform.tenants import TenantError, check_tenant_name, new_token, tenant_of_token
+from marlaas.platform.tenants import TOKEN_RE, TenantError, check_tenant_name, new_token, tenant_of_token
 from marlaas.stack import broker_auth
 
 pytestmark = pytest.mark.timeout(30)
@@ -176,3 +176,11 @@ def test_credentials_in_urls():
     assert nats_access.url_credentials("nats://nats:4222") == ("", "")
     assert nats_access.redact_url("nats://nats:4222") == "nats://nats:4222"
     assert nats_access.inbox_prefix("acme") == "_INBOX_acme"
+
+
+@pytest.mark.parametrize("name", ["acme\n", "acme\n\n", "\nacme"])
+def test_a_tenant_name_with_a_newline_is_refused(name):
+    """``$`` matches before a trailing newline: names and tokens are anchored with ``\\Z``."""
+    with pytest.raises(TenantError, match="is invalid"):
+        check_tenant_name(name)
+    assert TOKEN_RE.match(f"mlt_acme_{'0' * 32}\n") is None and TOKEN_RE.match(f"mlt_acme_{'0' * 32}")

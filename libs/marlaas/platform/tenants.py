@@ -30,9 +30,9 @@ from marlaas.platform.events import Codec, Wire, encode
 
 log = structlog.get_logger("marlaas.platform.tenants")
 
-TENANT_RE = re.compile(rf"^{subjects.TENANT_NAME}$")
+TENANT_RE = re.compile(rf"^{subjects.TENANT_NAME}\Z")  # \Z, not $: "$" also matches before a trailing newline
 # 128 random bits: with the longest name a token is 69 bytes, within the 72 that bcrypt reads
-TOKEN_RE = re.compile(rf"^mlt_({subjects.TENANT_NAME})_([0-9a-f]{{32}})$")
+TOKEN_RE = re.compile(rf"^mlt_({subjects.TENANT_NAME})_([0-9a-f]{{32}})\Z")
 DEFAULT_MAX_JOBS = 8
 # samples per version (grpo.prompts_per_step x grpo.group_size) of any one job of the tenant: one
 # tenant's 64 x 64 job would otherwise hold the shared engine for as long as 64 jobs of 8 x 8
