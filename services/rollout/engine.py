@@ -118,9 +118,10 @@ class PolicyEngine:
         os.environ[KERNELS_ENV] = config.rollout.cpu_lora_kernels  # read by marlaas.vllm_plugin in the engine core
         # tenants' weighted shares of the waiting queue (not under frontier dispatch, which orders it itself)
         self.fair = FairShare() if config.rollout.fair_share and config.rollout.dispatch == "fifo" else None
-        # ... and of its running requests while several tenants are busy (under either dispatch)
+        # ... and of its running requests while several tenants are busy (frontier dispatch orders
+        # requests by its own priority, which the running set's turns would override)
         self.running = (RunningShares(config.rollout.fair_share_running)
-                        if config.rollout.fair_share and config.rollout.fair_share_running else None)
+                        if self.fair is not None and config.rollout.fair_share_running else None)
         self.weights: dict[str, float] = {}  # tenant -> weight (the rollout service keeps it current)
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs

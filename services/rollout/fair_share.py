@@ -82,7 +82,11 @@ class FairShare:
             self.served = max(self.served, start)
 
 
-LINGER_S = 5.0  # a tenant between two versions (its batch training, its rewards) still counts as busy
+# a tenant between two versions (its batch training, its rewards) still counts as busy; and a long
+# linger is the bound's hysteresis: a tenant that sends one small request now and then keeps the
+# bound on (a lone tenant kept under R, which costs it little) rather than making the other fill
+# the engine and be preempted down again each time (its aborted requests' tokens wasted)
+LINGER_S = 30.0
 
 
 def running_quotas(demand: Mapping[str, int], present: Iterable[str], weights: Mapping[str, float],

@@ -135,6 +135,7 @@ class Rollout:
         self.adapter_locks: dict[str, asyncio.Lock] = {}
         self.finished: set[str] = set()  # jobs forgotten: never load an adapter for them again
         self.stopped: set[str] = set()  # jobs cancelled or failed: their episodes start no more turns
+        self.keeping: set[asyncio.Task] = set()  # samples being written (``keep_samples``)
         self.sampling: set[tuple[str, int]] = set()  # (job, step) being sampled by this process
         self.in_use: Counter[tuple[str, int]] = Counter()  # (job, version): batches generating with it
         self.released = asyncio.Condition()  # notified when a version is in use no more
@@ -311,7 +312,7 @@ class Rollout:
                     if not await self.wait_turn(spec, step):
                         return
                     await publish_batch(self.bus, self.store, job, step, batch)
-                    await self.keep_samples(spec, step, batch, spec.grpo.prompts_per_step)
+                    self.keep_samples(spec, step, batch, spec.grpo.prompts_per_step)
                 await record_sampled(self.bus, job, step)
                 if spec.eval_every and version % spec.eval_every == 0 and step == version:  # after the
                     await self.evaluate(spec, event)  # batch: the trainer works on it; the next waits one eval
@@ -519,7 +520,7 @@ class Rollout:
             batch = TrajectoryBatch(samples=samples, policy_version=self.engine.served_version(spec.id, lora),
                                     metrics=metrics)
             await publish_group(self.bus, self.store, spec.id, step, i, len(prompt_ids), batch)
-            await self.keep_samples(spec, step, batch, len(prompt_ids))
+            self.keep_samples(spec, step, batch, len(prompt_ids))
 
         async with self.adapter(spec, event) as lora:
             if lora is None:
@@ -541,9 +542,15 @@ class Rollout:
                           rewards_sha=digest([None if r is None else round(r, 6) for r in rewards]))
         return PUBLISHED
 
-    async def keep_samples(self, spec: JobSpec, step: int, batch: TrajectoryBatch, batch_groups: int) -> None:
+    def keep_samples(self, spec: JobSpec, step: int, batch: TrajectoryBatch, batch_groups: int) -> None:
         """Keep a bounded record of a published batch's (or group's) episodes for the job's tenant
-        (``marlaas.platform.samples``): a view for people, so its failure is logged, never the batch's."""
+        (``marlaas.platform.samples``), in the background: a view for people, so the next version
+        never waits on it and its failure is logged, never the batch's."""
+        task = asyncio.create_task(self._keep_samples(spec, step, batch, batch_groups))
+        self.keeping.add(task)
+        task.add_done_callback(self.keeping.discard)
+
+    async def _keep_samples(self, spec: JobSpec, step: int, batch: TrajectoryBatch, batch_groups: int) -> None:
         tokenizer = self.engine.tokenizer
         try:
             await asyncio.to_thread(write_samples, self.store, spec.id, step, batch,

@@ -1,8 +1,8 @@
 """The trainer's guard of the shared base and of on-policy training: the IO around ``gap_watch``.
 
 After a step and before its commit, ``after_step`` decides (``gap_watch.GapWatch``) whether the
-version may be committed: not when the base's weights changed during the job's first step in
-this process (the job is failed, the base reloaded), nor when the batch's engine-vs-trainer
+version may be committed: not when the base's weights changed by the job's first step since the
+base was loaded (the base is reloaded and the batch put back; the second time, the job fails), nor when the batch's engine-vs-trainer
 logprob gap is past its bound (the job is failed, or on a platform fault the base is reloaded and
 the batch put back). ``watch`` compares the base with its digest on a schedule as well. Each finding
 is an operator alert (``telemetry.raise_alert``).
@@ -32,24 +32,41 @@ class BaseGuard:
 
     def __init__(self, bus: Bus, policy: PolicyTrainer, gaps: GapWatch | None) -> None:
         self.bus, self.policy, self.gaps = bus, policy, gaps  # gaps None: no gap is acted on
-        self.stepped: set[str] = set()  # jobs with a step in this process (their first one was checked)
+        self.stepped: set[str] = set()  # jobs with a step since the base was (re)loaded: their first was checked
+        self.suspected: set[str] = set()  # jobs after whose first step the base was found changed once
 
-    def first_step_changed_base(self, job: str) -> bool:
-        """In the training thread, right after ``job``'s step (lock held): whether this was the job's
-        first step in this process and the base no longer matches its digest."""
+    def forget(self, job: str) -> None:
+        """``job`` finished: nothing of it is kept."""
+        self.stepped.discard(job)
+        self.suspected.discard(job)
+
+    async def first_step_changed_base(self, job: str) -> bool:
+        """Right after ``job``'s step: whether it was the job's first since the base was loaded and
+        the base no longer matches its digest. Read outside the policy's lock (the base is read
+        only: other jobs' steps and Tinker requests go on meanwhile)."""
         if job in self.stepped:
             return False
         self.stepped.add(job)
-        return self.policy.base_changed()
+        return await asyncio.to_thread(self.policy.base_changed)
 
     async def after_step(self, job: str, version: int, on_policy: bool, metrics: dict[str, float],
                          changed_base: bool, deliveries: list[Delivery]) -> bool:
         """Whether ``job``'s step to ``version`` + 1 may be committed. If not, its batch (its
-        ``deliveries``) is terminated and the job failed, or put back after a reload of the base."""
+        ``deliveries``) is terminated and the job failed, or put back after a reload of the base.
+
+        A base found changed after a job's first step is not yet the job's fault (whatever ran since
+        the last check may have changed it): the base is reloaded and the batch put back. Found
+        changed after that job's first step on the reloaded base too, it is: the job fails."""
         if changed_base:
-            await self.reload("base_changed", job, version, found_by="first step")
-            await self.refuse(job, version, deliveries, "the shared base model's weights changed during this job's "
-                              "first step (no job may change them): the job is failed and the base reloaded")
+            if job in self.suspected:
+                await self.refuse(job, version, deliveries, "the shared base model's weights changed during this "
+                                  "job's first step, twice (no job may change them): the job is failed and the "
+                                  "base reloaded")
+                await self.reload("base_changed", job, version, found_by="first step, again")
+            else:
+                self.suspected.add(job)
+                await self.reload("base_changed", job, version, found_by="first step")
+                await self.put_back(deliveries)
             return False
         gap = metrics.get("logprob_gap") if on_policy else None
         if self.gaps is None or not self.gaps.over(gap):
@@ -60,9 +77,7 @@ class BaseGuard:
                           verdict=verdict.value, base="changed" if changed else "as loaded")
         if verdict is Verdict.RELOAD_BASE:
             await self.reload("base_changed" if changed else "logprob_gap", job, version, found_by="logprob gap")
-            for delivery in deliveries:  # trained again, on the base as loaded
-                with contextlib.suppress(Exception):
-                    await delivery.nak(0.5)
+            await self.put_back(deliveries)
             return False
         await self.refuse(job, version, deliveries,
                           f"engine-vs-trainer logprob gap {gap:.3g} > {self.gaps.bound:.3g} on a batch sampled by "
@@ -78,6 +93,12 @@ class BaseGuard:
         for delivery in deliveries:
             with contextlib.suppress(Exception):
                 await delivery.term()
+
+    async def put_back(self, deliveries: list[Delivery]) -> None:
+        """The batch is trained again (delivered again), on the base as loaded."""
+        for delivery in deliveries:
+            with contextlib.suppress(Exception):
+                await delivery.nak(0.5)
 
     async def reload(self, alert: str, job: str, version: int, **attrs) -> None:
         """Load the base again (every hot job dropped, to be loaded from its committed version)."""

@@ -16,6 +16,7 @@ probe at start-up checks) are scored from full logits instead, still per micro-b
 
 from __future__ import annotations
 
+import gc
 import io
 import itertools
 import os
@@ -180,6 +181,7 @@ class PolicyTrainer:
         base.requires_grad_(False)
         self.base = base
         self.base_digest = base_digest(base)
+        self._loaded = (base, self.base_digest)  # read as one by ``base_changed``, which takes no lock
         self.split_head = head_split_matches(base)  # False: score from full logits (still per micro-batch)
         self.model: PeftModel | None = None
         self.hot: OrderedDict[str, HotJob] = OrderedDict()
@@ -191,15 +193,23 @@ class PolicyTrainer:
     # --- the shared base ---------------------------------------------------------------------
 
     def base_changed(self) -> bool:
-        """Whether the base's weights differ from what was loaded (no job may change them)."""
-        with self.lock:
-            return base_digest(self.base) != self.base_digest
+        """Whether the base's weights differ from what was loaded (no job may change them). Needs
+        no lock: the base is only read, by this and by every step (and while it is reloaded, there is
+        nothing to compare: False)."""
+        loaded = self._loaded
+        return loaded is not None and base_digest(loaded[0]) != loaded[1]
 
     def reload_base(self) -> list[str]:
         """Load the base again from disk, dropping every hot job (each is loaded again from its
-        committed version when next used); returns the jobs dropped. For a base found changed."""
+        committed version when next used); returns the jobs dropped. For a base found changed.
+        The old base and adapters are let go first: never two bases in memory at once."""
         with self.lock:
             dropped = list(self.hot)
+            self._loaded = None
+            self.model, self.hot, self.base, self._tuner_layers = None, OrderedDict(), None, []
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
             self._load_base()
             return dropped
 

@@ -293,7 +293,7 @@ class Trainer:
         sampled = next((v for v in sorted(pending.sampled_versions) if v != pending.version), pending.version)
         stepped, began = time.time(), time.monotonic()
         try:
-            adapter_version, result, changed_base = await asyncio.to_thread(self._step, job, spec)
+            adapter_version, result = await asyncio.to_thread(self._step, job, spec)
         except NonFiniteUpdate as exc:
             await report_usage(self.bus, SERVICE, job, UsageCounters(train_s=time.monotonic() - began))
             self.policy.evict(job)
@@ -322,18 +322,18 @@ class Trainer:
         log.info("trained", job=job, version=pending.version, batch_id=event.batch_id, groups=len(deliveries),
                  reward=round(result.metrics.get("reward/mean", float("nan")), 4),
                  loss=round(result.metrics["loss"], 4))
+        changed_base = await self.guard.first_step_changed_base(job)
         if not await self.guard.after_step(job, pending.version, sampled == pending.version, result.metrics,
                                            changed_base, deliveries):
             return
         await self._commit(deliveries, job, pending.version, snapshot, result, event.batch_id, pending.attempt,
                            [e.batch_ref for e in pending.events if e.batch_ref is not None])
 
-    def _step(self, job: str, spec: JobSpec) -> tuple[int, StepResult, bool]:
+    def _step(self, job: str, spec: JobSpec) -> tuple[int, StepResult]:
         with self.policy.lock:
             self.policy.pinned.discard(job)
             trained_from = self.policy.hot_version(job)
-            result = self.policy.step(job, spec.grpo)
-            return trained_from, result, self.guard.first_step_changed_base(job)
+            return trained_from, self.policy.step(job, spec.grpo)
 
     async def _train_and_commit(self, delivery: Delivery, event: TrajectoryReady, snapshot: JobSnapshot) -> None:
         """Train the batch on the committed version, commit v+1 by compare-and-set against the
@@ -358,8 +358,7 @@ class Trainer:
             async with delivery.keep_alive():
                 began = time.monotonic()
                 try:
-                    adapter_version, result, changed_base = await asyncio.to_thread(self._train, committed, batch,
-                                                                                    spec)
+                    adapter_version, result = await asyncio.to_thread(self._train, committed, batch, spec)
                 except NonFiniteUpdate as exc:
                     await report_usage(self.bus, SERVICE, job, batch_usage(batch, time.monotonic() - began))
                     self.policy.evict(job)
@@ -376,6 +375,7 @@ class Trainer:
         log.info("trained", job=job, version=version, batch_id=event.batch_id,
                  reward=round(result.metrics.get("reward/mean", float("nan")), 4),
                  loss=round(result.metrics["loss"], 4))
+        changed_base = await self.guard.first_step_changed_base(job)
         if not await self.guard.after_step(job, version, batch.policy_version == version, result.metrics,
                                            changed_base, [delivery]):
             return
@@ -416,26 +416,26 @@ class Trainer:
             await asyncio.to_thread(self.store.delete, self.store.key_of(blob.uri))
 
     def _train(self, committed: CommittedVersion, batch: TrajectoryBatch,
-               spec: JobSpec) -> tuple[int, StepResult, bool]:
+               spec: JobSpec) -> tuple[int, StepResult]:
         """Load the job if it is cold (or at another version), then one GRPO step; return the
-        version of the in-memory adapter the step started from, the step's result, and whether
-        it was the job's first step here and the base changed (``BaseGuard``)."""
+        version of the in-memory adapter the step started from, and the step's result."""
         self._drop_finished()
         with self.policy.lock:  # a Tinker request (another thread) must not evict the job in between
             if self.policy.hot_version(committed.job) != committed.version:
                 self._load(committed, spec)
             trained_from = self.policy.hot_version(committed.job)
             result = self.policy.train_step(committed.job, batch, spec.grpo)
-            changed_base = self.guard.first_step_changed_base(committed.job)
         result.metrics.update(batch.metrics)  # rollout's figures (tool calls, turns) ride with the version
         if batch.policy_version >= 0:  # how far behind the trained version its sampler was
             result.metrics["staleness"] = float(committed.version - batch.policy_version)
-        return trained_from, result, changed_base
+        return trained_from, result
 
     def _drop_finished(self) -> None:
         """Evict finished jobs from memory (in the training thread: never under a step)."""
         while self.finished:
-            self.policy.evict(self.finished.pop())
+            job = self.finished.pop()
+            self.policy.evict(job)
+            self.guard.forget(job)
 
     def _load(self, committed: CommittedVersion, spec: JobSpec) -> None:
         config_json, weights = read_adapter(self.store, committed.adapter)
@@ -488,7 +488,7 @@ async def run(rt: Runtime) -> None:
         cfg.trainer.micro_batch_tokens, int(cfg.trainer.hot_memory_gib * (1 << 30)),
     )
     trainer = Trainer(rt.bus, rt.store, policy, cfg.trainer.fault_crash_p,
-                      GapWatch(gap_bound(cfg.trainer.max_logprob_gap, cfg.rollout.dtype)))
+                      GapWatch(gap_bound(cfg.trainer.max_logprob_gap, cfg.rollout.dtype, cfg.trainer.device)))
     await rt.bus.nc.subscribe(subjects.job_state(), cb=trainer.on_job_state)
     await trainer.reannounce_committed()
     rt.ready()

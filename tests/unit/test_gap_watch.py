@@ -16,6 +16,7 @@ def test_the_bound_follows_the_engine_dtype_unless_configured():
     assert gap_bound(0.0, "bfloat16") == gap_bound(0.0, "float16") == HALF_PRECISION_GAP
     assert gap_bound(0.05, "float32") == 0.05
     assert gap_bound(math.inf, "float32") == math.inf
+    assert gap_bound(0.0, "float32", "cuda") == gap_bound(0.0, "float32", "npu") == HALF_PRECISION_GAP
 
 
 @pytest.mark.parametrize("gap", [None, 0.0, 1e-6, FP32_GAP])

@@ -53,3 +53,14 @@ def test_the_command_takes_a_job_and_an_optional_version():
     args = build_parser().parse_args(["samples", "acme.agent-1a2b3c", "--version", "3", "--json"])
     assert (args.job, args.version, args.json) == ("acme.agent-1a2b3c", 3, True)
     assert build_parser().parse_args(["samples", "acme.agent-1a2b3c"]).version is None
+
+
+def test_control_characters_in_model_and_tool_output_never_reach_the_terminal():
+    """Model and tool output are untrusted: an escape sequence (clear the screen, a hyperlink, a
+    bell) is printed as U+FFFD, never raw; tabs and line breaks stay."""
+    hostile = SampleEpisode(reward=0.0, advantage=0.0, tokens=3, completion="\x1b[2J\x1b]8;;http://x\x07a\tb\x9bc",
+                            turns=[SampleTurn(role="tool", text="\x1b[31mred\r\nok")])
+    text = transcript(samples(groups=[SampleGroup(group=0, prompt="p\x1b[8m", size=1, reward_mean=0.0,
+                                                  episodes=[hostile])]))
+    assert not any(ord(c) < 0x20 and c not in "\n\t" or 0x7f <= ord(c) < 0xa0 for c in text)
+    assert "\ufffd[2J\ufffd]8;;http://x\ufffda\tb\ufffdc" in text and "\ufffd[31mred" in text

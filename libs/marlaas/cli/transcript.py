@@ -16,9 +16,15 @@ def counted(n: int, what: str) -> str:
     return f"{n} {what}" if n == 1 else f"{n} {what}s"
 
 
+# C0 and C1 control characters but tab (newlines split lines first): model and tool output is
+# untrusted, and an escape sequence printed raw could rewrite the terminal (hide lines, set links)
+CONTROLS = {c: "\ufffd" for c in [*range(0x00, 0x09), *range(0x0b, 0x20), 0x7f, *range(0x80, 0xa0)]}
+
+
 def block(label: str, text: str, indent: str) -> list[str]:
-    """``text`` under ``label``: the label on its first line, the others aligned after it."""
-    lines = text.splitlines() or [""]
+    """``text`` under ``label``: the label on its first line, the others aligned after it; control
+    characters shown as U+FFFD."""
+    lines = [line.translate(CONTROLS) for line in text.splitlines()] or [""]
     gap = " " * LABEL_WIDTH
     return [f"{indent}{label:<{LABEL_WIDTH}}| {lines[0]}", *(f"{indent}{gap}| {line}" for line in lines[1:])]
 

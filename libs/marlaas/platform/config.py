@@ -116,8 +116,8 @@ class TrainerConfig(Section):
     fair_share: bool = True
     # a batch sampled by the version it trains whose engine-vs-trainer logprob gap (mean |log p|
     # difference a token) is past this is not trained: its job fails, or on a platform fault the
-    # base is reloaded (services/trainer/gap_watch.py); 0 = by rollout.dtype (1e-3 float32, 0.1
-    # half precision), inf = never acted on
+    # base is reloaded (services/trainer/gap_watch.py); 0 = 1e-3 for a float32 engine beside a CPU
+    # trainer, else 0.1 (half precision, or a trainer on an accelerator); inf = never acted on
     max_logprob_gap: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     # the shared base's weights compared with their digest at load this often (and after each
     # job's first step); a changed base is reloaded and an operator alert raised (0 = no schedule)

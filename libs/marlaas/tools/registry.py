@@ -50,7 +50,7 @@ BUILTIN = "builtin"
 # answer matchers (marlaas.tasks.matchers)
 BUILTIN_REWARDS = ("judge", "exact", "contains", "numeric")
 HEARTBEAT_S = 10.0  # at most; a bucket with a short TTL gets beats every TTL / 3
-NAMESPACE_RE = re.compile(r"[a-z0-9][a-z0-9-]*")
+NAMESPACE_RE = re.compile(subjects.TENANT_NAME)  # a tenant's name ("builtin" is one too), fullmatch
 TOOL_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 TOOL_SPEC = Codec("tool spec", ToolSpec)
 MAX_SPEC_BYTES = 64 * 1024  # one tool's announcement: name, description and JSON schema
@@ -70,7 +70,7 @@ def check_namespace(namespace: str) -> str:
     """``namespace`` if it is ``builtin`` or a valid tenant name (lowercase letters, digits, '-')."""
     if not NAMESPACE_RE.fullmatch(namespace):
         raise ToolNameError(
-            f"namespace {namespace!r} is not a tenant name: use lowercase letters, digits and '-'"
+            f"namespace {namespace!r} is not a tenant name: use 1-32 lowercase letters, digits and '-'"
         )
     return namespace
 
