@@ -3,9 +3,9 @@
 After a step and before its commit, ``after_step`` decides (``gap_watch.GapWatch``) whether the
 version may be committed: not when the base's weights changed by the job's first step since the
 base was loaded (the base is reloaded and the batch put back; the second time, the job fails),
-nor when the batch's engine-vs-trainer logprob gap is past its bound (the job is failed, or on a platform fault the base is reloaded and
-the batch put back). ``watch`` compares the base with its digest on a schedule as well. Each finding
-is an operator alert (``telemetry.raise_alert``).
+nor when the batch's engine-vs-trainer logprob gap is past its bound (the job is failed, or on a
+platform fault the base is reloaded and the batch put back). ``watch`` compares the base with its
+digest on a schedule as well. Each finding is an operator alert (``telemetry.raise_alert``).
 """
 
 from __future__ import annotations
