@@ -135,7 +135,7 @@ async def next_message(sub, held: int = 0):
         return None
     try:
         [msg] = await sub.fetch(1, timeout=2)
-    except (nats.errors.TimeoutError, asyncio.TimeoutError):
+    except (TimeoutError, nats.errors.TimeoutError):
         return None
     return msg
 

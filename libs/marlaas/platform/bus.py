@@ -407,7 +407,7 @@ class Bus:
             while True:  # until nothing is pending, not until a fetch is slow (a loaded machine)
                 try:
                     msgs = await sub.fetch(512, timeout=2.0)
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                except (TimeoutError, nats.errors.TimeoutError):
                     if (await sub.consumer_info()).num_pending == 0:
                         return found
                     continue
@@ -472,7 +472,7 @@ class Bus:
             nonlocal timed_out
             try:
                 return (await self.js.publish(subject, value, headers=dict(headers))).seq
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 timed_out = True
                 raise
             except nats.js.errors.APIError as exc:
@@ -565,7 +565,7 @@ class Bus:
                     except BaseException:
                         slots.release()
                         raise
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                except (TimeoutError, nats.errors.TimeoutError):
                     failures = refused = 0
                     continue
                 except Exception as exc:  # disconnected, server restarting, an election: fetch again
