@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -280,12 +281,12 @@ class Bus:
                 duplicate_window=duplicate_window_s, max_age=spec.max_age_s or None,
                 num_replicas=replicas,
             )
-            await self._retrying(f"create stream {spec.name}", lambda: self._add_or_update_stream(config))
+            await self._retrying(f"create stream {spec.name}", functools.partial(self._add_or_update_stream, config))
         for spec in BUCKETS:
             ttl_s = (bucket_ttl_s or {}).get(spec.name, spec.ttl_s)
             await self._bucket(spec.name)
             await self._retrying(f"configure bucket {spec.name}",
-                                 lambda: self._reconcile_bucket(spec.name, ttl_s, replicas))
+                                 functools.partial(self._reconcile_bucket, spec.name, ttl_s, replicas))
 
     async def _add_or_update_stream(self, config: StreamConfig) -> None:
         try:
