@@ -328,11 +328,11 @@ class Rollout:
             async with self.adapter(spec, event) as lora:
                 if lora is None:
                     return
-                async with span(self.bus, SERVICE, "eval", spec.id, version, problems=len(problems)):
-                    async with metered(self.bus, spec.id) as started:
-                        episodes = await gather_or_cancel(*(
-                            self.episode(spec, task, ids, lora, version, i, 0, temperature=0.0, started=started)
-                            for i, ids in enumerate(prompt_ids)))
+                async with (span(self.bus, SERVICE, "eval", spec.id, version, problems=len(problems)),
+                            metered(self.bus, spec.id) as started):
+                    episodes = await gather_or_cancel(*(
+                        self.episode(spec, task, ids, lora, version, i, 0, temperature=0.0, started=started)
+                        for i, ids in enumerate(prompt_ids)))
             if spec.id in self.stopped:
                 return  # cancelled or failed meanwhile: metered, not scored
             rewards = await self.rewards(spec, [(p, self.final_turn(e)) for p, e in zip(problems, episodes)])
