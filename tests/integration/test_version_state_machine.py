@@ -211,7 +211,7 @@ class World:
         self.loop.close()
 
 
-def machine_over(world: World) -> type[RuleBasedStateMachine]:
+def machine_over(world: World) -> type[RuleBasedStateMachine]:  # noqa: C901 -- the nested class's rules, each small
     run = world.run
     bus = world.bus
 
