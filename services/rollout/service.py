@@ -1,3 +1,4 @@
+# over 500 lines: one class, Rollout; its sample, eval and reward paths share its adapters, locks and job sets
 """Rollout shell: on policy-committed(v) sample the job's next GRPO batch with version v only.
 
 Each announcement is handled as its own task (up to ``rollout.concurrency`` jobs at

@@ -1,3 +1,4 @@
+# over 500 lines: one class, Bus; every JetStream call shares its retries, dedup ids and reconnecting consume loop
 """The bus: a small async API over nats-py JetStream that every service uses.
 
 What it adds to nats-py: the project's topology (streams, KV buckets) created
