@@ -119,7 +119,7 @@ def add_tenant(name: str, admin: str, nodes: list[str], profiles: tuple[str, ...
 def serve_tool(token: str) -> subprocess.Popen:
     """examples/weather_tool.py on this host, as tenant acme, through the published NATS port."""
     env = {**os.environ, "MARLAAS_NATS_URL": NATS_URL, "MARLAAS_TOKEN": token}
-    log = open(TOOL_LOG, "w")  # a file, not a pipe: a full pipe would stall the tool
+    log = open(TOOL_LOG, "w")  # noqa: SIM115 -- the tool's stdout: a file, not a pipe (a full pipe would stall it)
     return subprocess.Popen([sys.executable, str(ROOT / "examples/weather_tool.py")], env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 

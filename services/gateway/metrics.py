@@ -158,13 +158,13 @@ class StackMetrics:
 async def first_sequence_since(bus: Bus, since: float) -> int:
     """The METRICS stream's first sequence stored at or after ``since`` (epoch seconds), or the
     next one to come if none is; read with a throwaway consumer that starts at that time."""
-    start = datetime.datetime.fromtimestamp(since, datetime.timezone.utc)
+    start = datetime.datetime.fromtimestamp(since, datetime.UTC)
     sub = await bus.js.pull_subscribe(subjects.span(), stream="METRICS", config=ConsumerConfig(
         deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start))
     try:
         msgs = await sub.fetch(1, timeout=1.0)
         return msgs[0].metadata.sequence.stream
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return (await bus.js.stream_info("METRICS")).state.last_seq + 1
     finally:
         with contextlib.suppress(Exception):

@@ -1,3 +1,4 @@
+# over 500 lines: the Tinker SDK's one router (sessions, models, training, sampling, futures); auth, checkpoints apart
 """The Tinker API (``/tinker/api/v1/...``), so that scripts written for Tinker's SDK run here unchanged.
 
 Point a script at it with ``TINKER_BASE_URL=http://<gateway>/tinker`` and

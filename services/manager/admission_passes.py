@@ -51,10 +51,8 @@ async def commit_version_zero(bus: Bus, store: ObjectStore, model_dir: Path, spe
                                f"({type(exc).__name__}: {exc}); fix them and submit the job again") from exc
         adapter = await asyncio.to_thread(write_adapter, store, spec.id, 0, config_json, weights)
         v0 = CommittedVersion(job=spec.id, version=0, adapter=adapter, committed_at=time.time())
-        try:
+        with contextlib.suppress(StaleRevision):  # a previous manager run committed v0 already
             await bus.kv_create(VERSIONS_BUCKET, spec.id, encode(v0))
-        except StaleRevision:
-            pass  # a previous manager run committed v0 already
     return COMMITTED.decode((await bus.kv_get(VERSIONS_BUCKET, spec.id)).value)
 
 
@@ -82,10 +80,8 @@ class AdmissionPasses:
         while not stop.is_set():
             if self._waiting:
                 await self.try_admission()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), every_s)
-            except TimeoutError:
-                pass
 
     async def admit_queued(self) -> bool:
         """Admit the queued jobs that fit; return whether any job is left waiting."""

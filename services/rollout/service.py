@@ -1,3 +1,4 @@
+# over 500 lines: one class, Rollout; its sample, eval and reward paths share its adapters, locks and job sets
 """Rollout shell: on policy-committed(v) sample the job's next GRPO batch with version v only.
 
 Each announcement is handled as its own task (up to ``rollout.concurrency`` jobs at
@@ -329,11 +330,11 @@ class Rollout:
             async with self.adapter(spec, event) as lora:
                 if lora is None:
                     return
-                async with span(self.bus, SERVICE, "eval", spec.id, version, problems=len(problems)):
-                    async with metered(self.bus, spec.id) as started:
-                        episodes = await gather_or_cancel(*(
-                            self.episode(spec, task, ids, lora, version, i, 0, temperature=0.0, started=started)
-                            for i, ids in enumerate(prompt_ids)))
+                async with (span(self.bus, SERVICE, "eval", spec.id, version, problems=len(problems)),
+                            metered(self.bus, spec.id) as started):
+                    episodes = await gather_or_cancel(*(
+                        self.episode(spec, task, ids, lora, version, i, 0, temperature=0.0, started=started)
+                        for i, ids in enumerate(prompt_ids)))
             if spec.id in self.stopped:
                 return  # cancelled or failed meanwhile: metered, not scored
             rewards = await self.rewards(spec, [(p, self.final_turn(e)) for p, e in zip(problems, episodes)])

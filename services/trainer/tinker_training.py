@@ -221,12 +221,12 @@ class TinkerTrainer:
                   delivery: Delivery) -> Done | None:
         """Do a request in its turn, record the model's progress and the future: its Done (None: failed)."""
         try:
-            async with span(self.bus, "trainer", f"tinker_{request.kind}", wire.span_job(request.tenant), 0,
-                            model=request.model_id, seq_id=request.seq_id):
-                async with delivery.keep_alive():
-                    checkpoint = await self._checkpoint(request, model) if request.kind == "load_weights" else None
-                    sequences = await self._sequences(request) if request.kind == "forward_backward" else {}
-                    done = await asyncio.to_thread(self._run, request, model, live, checkpoint, sequences)
+            async with (span(self.bus, "trainer", f"tinker_{request.kind}", wire.span_job(request.tenant), 0,
+                             model=request.model_id, seq_id=request.seq_id),
+                        delivery.keep_alive()):
+                checkpoint = await self._checkpoint(request, model) if request.kind == "load_weights" else None
+                sequences = await self._sequences(request) if request.kind == "forward_backward" else {}
+                done = await asyncio.to_thread(self._run, request, model, live, checkpoint, sequences)
         except (UserError, LossInputError, NonFiniteUpdate) as exc:
             await self._advance(request, live, None)
             await wire.fail(self.bus, self.store, request.request_id, request.tenant, str(exc))

@@ -136,7 +136,7 @@ async def test_fair_share_serves_waiting_tenants_by_weight_and_fifo_by_arrival(e
         engine.weights = {"alice": 3.0, "bob": 1.0}
         finished: list[str] = []
 
-        async def request(tenant: str, i: int) -> None:
+        async def request(tenant: str, i: int, engine=engine, finished=finished) -> None:
             await engine.generate(PROMPTS[0], max_tokens=8, temperature=1.0, lora=None, seed=i, ignore_eos=True,
                                   tenant=tenant)
             finished.append(tenant)

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -568,7 +569,7 @@ def test_the_cli_submits_watches_pulls_reports_and_deletes(stack, tmp_path):
     assert (tmp_path / "adapter" / "adapter_model.safetensors").stat().st_size > 0
     plots = json.loads(marlaas(stack, "report", job, "--out", str(tmp_path / "report")).stdout)["plots"]
     assert sorted(os.path.basename(p) for p in plots) == ["rewards.png", "step_time.png"]
-    assert all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in plots)
+    assert all(Path(p).read_bytes().startswith(b"\x89PNG\r\n\x1a\n") for p in plots)
     board = json.loads(marlaas(stack, "report", job, "--tensorboard", str(tmp_path / "tb")).stdout)
     assert board["tensorboard"] == str(tmp_path / "tb" / job)
     assert [f.name.split(".")[0] for f in (tmp_path / "tb" / job).iterdir()] == ["events"]

@@ -88,10 +88,8 @@ def _healthy(port: int) -> bool:
 def _stop_group(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        pass
     with contextlib.suppress(ProcessLookupError):  # the engine core and any worker left in the group
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)

@@ -196,7 +196,7 @@ def consumers(service: str) -> dict[str, set]:
         tree = ast.parse(path.read_text())
         constants = module_constants(tree)
 
-        def value(node):
+        def value(node, constants=constants):
             return node.value if isinstance(node, ast.Constant) else constants.get(getattr(node, "id", None))
 
         for node in ast.walk(tree):

@@ -145,8 +145,8 @@ async def test_a_killed_leader_loses_no_acked_message_and_no_compare_and_set(clu
             acked, wins = len(traffic.acked), traffic.cas_wins
             killed_at = time.monotonic()
             cluster.kill_node(victim)
-            await eventually(lambda: len(traffic.acked) > acked + 50 and traffic.cas_wins > wins + 20, 60,
-                             f"traffic after {stream}'s leader was killed")
+            await eventually(lambda acked=acked, wins=wins: len(traffic.acked) > acked + 50
+                             and traffic.cas_wins > wins + 20, 60, f"traffic after {stream}'s leader was killed")
             outages[stream] = time.monotonic() - killed_at
             assert await cluster.leader_of(bus, stream) != victim
             cluster.start_node(victim)

@@ -110,7 +110,7 @@ async def test_poison_on_each_manager_consumer_is_terminated_logged_and_the_rest
                  for durable, (stream, subject, handler) in consumers.items()]
         sent: dict[tuple[str, int], str] = {}  # (consumer, sequence) -> the reason expected
         for durable, (subject, codec, kind) in poisoned.items():
-            for data, reason in poison_for(kind, served.id).values():
+            for data, _reason in poison_for(kind, served.id).values():
                 seq = (await bus.js.publish(subject, data)).seq
                 sent[(durable, seq)] = f"malformed {codec} event ({len(data)} bytes): "
         # then the real thing on each, one of them from a newer writer (schema 7, a field this
@@ -133,7 +133,7 @@ async def test_poison_on_each_manager_consumer_is_terminated_logged_and_the_rest
 
     refusals = [e for e in logs if e["event"] == "terminating message"]
     assert len(refusals) == len(sent)
-    for (durable, seq), reason in sent.items():  # each says which stream and what was wrong
+    for (durable, _seq), reason in sent.items():  # each says which stream and what was wrong
         assert any(e["error"].startswith(reason) for e in refusals), (durable, reason)
     assert not [e for e in logs if e["log_level"] in ("error", "critical") and e["event"] != "terminating message"]
     record = await record_of(bus, served.id)

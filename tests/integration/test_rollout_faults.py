@@ -125,7 +125,7 @@ class Watch:
         self.terminated: list[int] = []  # stream sequences of POLICY messages the consumer termed
 
     @classmethod
-    async def start(cls, bus: Bus) -> "Watch":
+    async def start(cls, bus: Bus) -> Watch:
         watch = cls()
 
         async def batch(msg) -> None:

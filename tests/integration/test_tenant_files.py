@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -217,7 +218,7 @@ async def test_the_services_read_an_uploaded_file_from_the_store_for_its_tenant_
     files = DataFiles(file_store, tmp_path / "cache", get_task)
     local = files.local_path("alice", record.id)
     assert local == str(tmp_path / "cache" / f"{record.sha256}.jsonl")
-    assert open(local, "rb").read() == PRIVATE
+    assert Path(local).read_bytes() == PRIVATE
     assert files.local_path("alice", "/platform/path.jsonl") == "/platform/path.jsonl"  # the platform's own
     for tenant, ref in (("bob", record.id), ("alice", "file-../../alice/" + record.id), ("alice", "file-x")):
         with pytest.raises(FileMissing, match=f"^no file {ref!r} among your uploaded files"):

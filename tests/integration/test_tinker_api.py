@@ -410,9 +410,8 @@ def test_a_wrong_or_missing_key_is_refused(url, keys):
 
 
 def test_a_sdk_client_with_another_tenants_key_fails_cleanly(url, keys, trained):
-    with tinker.ServiceClient(base_url=url, api_key=keys["bob"]) as bob:
-        with pytest.raises(tinker.NotFoundError):
-            bob.create_training_client_from_state(trained["state"]).result()
+    with tinker.ServiceClient(base_url=url, api_key=keys["bob"]) as bob, pytest.raises(tinker.NotFoundError):
+        bob.create_training_client_from_state(trained["state"]).result()
 
 
 # --- tinker-cookbook recipes, unchanged, offline ---------------------------------------------------
@@ -730,7 +729,7 @@ def test_a_tinker_clients_usage_is_what_it_did_and_only_its_tenant_sees_it(stack
         time.sleep(0.5)
     assert {k: used[k] for k in expected} == expected, used
     trainer_s = sum(s.end - s.start for s in spans(stack) if s.job == job and s.service == "trainer")
-    assert 0 < used["train_s"] and trainer_s <= used["train_s"] <= trainer_s + 5.0, (used["train_s"], trainer_s)
+    assert used["train_s"] > 0 and trainer_s <= used["train_s"] <= trainer_s + 5.0, (used["train_s"], trainer_s)
     bob = httpx.get(f"{gateway}/v1/usage", params={"job": job},
                     headers={"Authorization": f"Bearer {keys['bob'].removeprefix('tml-')}"}).json()
     assert job not in json.dumps(bob), bob

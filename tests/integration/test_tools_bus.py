@@ -155,7 +155,7 @@ async def test_bad_calls_come_back_as_errors_and_the_server_keeps_serving(tools_
         "bytes": await call_tool(bus, "acme.blob"),
     }
     assert "are not valid JSON" in errors["not JSON"].error
-    assert "invalid arguments for whoami: Expected `str`, got `int` - at `$.text`" == errors["schema"].error
+    assert errors["schema"].error == "invalid arguments for whoami: Expected `str`, got `int` - at `$.text`"
     assert "unknown field `loud`" in errors["unknown field"].error
     assert errors["exception"].error == "acme.explode failed: RuntimeError: kaboom"
     assert errors["bytes"].error == "tool returned bytes, not text"

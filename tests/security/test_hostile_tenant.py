@@ -670,9 +670,9 @@ def test_event_streams_are_capped_per_tenant_and_given_back_when_clients_leave(s
             assert time.monotonic() - started < 5
         # the clients went away: their consumers are deleted at the broker, their places given back
         wait_for(lambda: job_consumers(stack, job) == 0, 10, "the streams' consumers deleted")
-        with httpx.Client(base_url=url, headers=bearer(tokens["mallory"]), timeout=30) as client:
-            with client.stream("GET", f"/v1/jobs/{job}/events") as again:
-                assert again.status_code == 200
+        with (httpx.Client(base_url=url, headers=bearer(tokens["mallory"]), timeout=30) as client,
+              client.stream("GET", f"/v1/jobs/{job}/events") as again):
+            assert again.status_code == 200
     finally:
         mallory.cancel(job)
 

@@ -100,10 +100,10 @@ def test_base_model_must_be_a_model_directory(tmp_path):
     missing = Config(base_model=str(tmp_path / "no-such-model"))
     clear = r"base_model: .*no-such-model is not a .*model directory \(no config\.json\)"
     with pytest.raises(ConfigError, match=clear):
-        missing.base_model_dir
+        _ = missing.base_model_dir
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="save_pretrained"):
-        Config(base_model=str(tmp_path / "empty")).base_model_dir
+        _ = Config(base_model=str(tmp_path / "empty")).base_model_dir
 
 
 def test_base_model_directory_resolves(tmp_path):
@@ -185,7 +185,7 @@ def test_the_default_base_is_the_chat_model_and_the_character_level_one_is_named
     assert Config(base_model="builtin:chat").base_model_dir == builtin_model_dir()
     with pytest.raises(ConfigError, match=r"'builtin:tiny' is not a built-in model; use one of builtin:chat, "
                                           r"builtin:char"):
-        Config(base_model="builtin:tiny").base_model_dir
+        _ = Config(base_model="builtin:tiny").base_model_dir
     with pytest.raises(ConfigError, match=r"'builtin:char' has no chat template: set rollout.prompt_format = \"bare\""):
         load_config(overrides={"base_model": "builtin:char"}, env={})
     bare = load_config(overrides={"base_model": "builtin:char", "rollout.prompt_format": "bare"}, env={})

@@ -3,6 +3,7 @@ unknown kinds end in the one documented error (naming what was wrong), never in 
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import msgspec
@@ -52,10 +53,8 @@ def test_arbitrary_bytes_are_refused_by_every_decoder_with_a_named_error(data):
 def test_events_of_every_kind_with_fuzzed_fields_decode_or_fail_cleanly(kind, fields):
     data = json.dumps({**fields, "kind": kind}).encode()
     for codec in CODECS:
-        try:
+        with contextlib.suppress(EventDecodeError):
             codec.decode(data)
-        except EventDecodeError:
-            pass
 
 
 @fast
@@ -84,10 +83,8 @@ def test_fuzzed_job_specs_parse_or_raise_a_submit_error(tree):
 @fast
 @given(json_values)
 def test_any_json_value_as_a_submission_is_refused_or_parsed(value):
-    try:
+    with contextlib.suppress(api.SubmitError):
         api.parse_submission(value)
-    except api.SubmitError:
-        pass
 
 
 def test_the_decoders_accept_what_the_encoder_writes():

@@ -285,3 +285,18 @@ def test_the_managers_service_module_is_wiring():
     modules of their own."""
     lines = len((LIBS.parent / "services" / "manager" / "service.py").read_text().splitlines())
     assert lines <= MAX_MANAGER_WIRING_LINES, f"services/manager/service.py has {lines} lines"
+
+
+MAX_MODULE_LINES = 500  # STYLE 10
+SIZE_REASON = re.compile(r"# over 500 lines: \S.*")
+
+
+def test_a_module_over_500_lines_says_why_at_its_top():
+    """Issue 49: a module of ``libs/`` or ``services/`` over 500 lines opens, above its docstring,
+    with one line saying why it is not split: ``# over 500 lines: <the reason>``."""
+    unexplained = []
+    for path in sorted(SOURCES):
+        lines = path.read_text().splitlines()
+        if len(lines) > MAX_MODULE_LINES and not SIZE_REASON.fullmatch(lines[0]):
+            unexplained.append(f"{path.relative_to(ROOT)} ({len(lines)} lines)")
+    assert not unexplained, f"modules over {MAX_MODULE_LINES} lines without a reason on their first line: {unexplained}"

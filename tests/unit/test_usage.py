@@ -21,7 +21,7 @@ from services.manager.usage import fold
 from services.rollout.episode import Episode, episodes_usage
 from services.trainer.service import batch_usage
 
-DAY1 = datetime.datetime(2026, 3, 1, 23, 59, 59, tzinfo=datetime.timezone.utc).timestamp()
+DAY1 = datetime.datetime(2026, 3, 1, 23, 59, 59, tzinfo=datetime.UTC).timestamp()
 DAY2 = DAY1 + 2.0  # two seconds later: the next UTC day
 
 

@@ -1,3 +1,4 @@
+# over 500 lines: one benchmark end to end (workload, pure share math, runs, report); the math could move out
 """``marlaas bench fairness``: do tenants' weights bound what one tenant can take from another?
 
 Tenant A submits many jobs, tenant B (the *victim*) one job while its Tinker client samples in a

@@ -153,7 +153,7 @@ def write_plots(result: dict, out: Path) -> list[Path]:
     paths = [throughput_plot(runs, out), latency_plot(runs, out), event_latency_plot(runs, out)]
     if (learning := learning_plot(runs, out)) is not None:
         paths.append(learning)
-    for mode, rs in _by_mode(result["runs"]).items():
+    for rs in _by_mode(result["runs"]).values():
         shown = next((r for r in rs if r["jobs"] > 1 and r.get("timeline")), None) or \
             next((r for r in rs if r.get("timeline")), None)
         if shown:

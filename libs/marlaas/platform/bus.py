@@ -1,3 +1,4 @@
+# over 500 lines: one class, Bus; every JetStream call shares its retries, dedup ids and reconnecting consume loop
 """The bus: a small async API over nats-py JetStream that every service uses.
 
 What it adds to nats-py: the project's topology (streams, KV buckets) created
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -280,12 +282,12 @@ class Bus:
                 duplicate_window=duplicate_window_s, max_age=spec.max_age_s or None,
                 num_replicas=replicas,
             )
-            await self._retrying(f"create stream {spec.name}", lambda: self._add_or_update_stream(config))
+            await self._retrying(f"create stream {spec.name}", functools.partial(self._add_or_update_stream, config))
         for spec in BUCKETS:
             ttl_s = (bucket_ttl_s or {}).get(spec.name, spec.ttl_s)
             await self._bucket(spec.name)
             await self._retrying(f"configure bucket {spec.name}",
-                                 lambda: self._reconcile_bucket(spec.name, ttl_s, replicas))
+                                 functools.partial(self._reconcile_bucket, spec.name, ttl_s, replicas))
 
     async def _add_or_update_stream(self, config: StreamConfig) -> None:
         try:
@@ -407,7 +409,7 @@ class Bus:
             while True:  # until nothing is pending, not until a fetch is slow (a loaded machine)
                 try:
                     msgs = await sub.fetch(512, timeout=2.0)
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                except (TimeoutError, nats.errors.TimeoutError):
                     if (await sub.consumer_info()).num_pending == 0:
                         return found
                     continue
@@ -472,7 +474,7 @@ class Bus:
             nonlocal timed_out
             try:
                 return (await self.js.publish(subject, value, headers=dict(headers))).seq
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 timed_out = True
                 raise
             except nats.js.errors.APIError as exc:
@@ -565,7 +567,7 @@ class Bus:
                     except BaseException:
                         slots.release()
                         raise
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                except (TimeoutError, nats.errors.TimeoutError):
                     failures = refused = 0
                     continue
                 except Exception as exc:  # disconnected, server restarting, an election: fetch again

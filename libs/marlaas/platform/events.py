@@ -118,7 +118,7 @@ class JobSpec(Wire):
     priority: str = "normal"  # "low" | "normal" | "high": its requests' order among its tenant's in the engine
 
 
-class JobState(str, enum.Enum):
+class JobState(str, enum.Enum):  # noqa: UP042 -- StrEnum would change str() and f"{state}" to the bare value
     """Lifecycle: queued -> running -> completed | failed | cancelled."""
 
     QUEUED = "queued"

@@ -146,7 +146,7 @@ class TenantQueues:
                 config.filter_subject, durable=config.durable_name, stream=self.stream, config=config)
         try:
             return await sub.fetch(1, timeout=FETCH_S)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        except (TimeoutError, nats.errors.TimeoutError):
             return []
         except Exception:  # the consumer removed (idle) or the server restarting: subscribe again next turn
             self.subs.pop(tenant, None)

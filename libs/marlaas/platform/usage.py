@@ -86,7 +86,7 @@ USAGE_RECORD = Codec("usage record", UsageRecord)
 
 def day_of(at: float) -> str:
     """The UTC day of epoch seconds ``at``, as YYYY-MM-DD."""
-    return datetime.datetime.fromtimestamp(at, datetime.timezone.utc).strftime("%Y-%m-%d")
+    return datetime.datetime.fromtimestamp(at, datetime.UTC).strftime("%Y-%m-%d")
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
