@@ -652,3 +652,11 @@ def test_the_docs_derive_the_sandbox_password_as_the_broker_does():
     done = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=30, check=True,
                           env={"PATH": "/usr/bin:/bin", "MARLAAS_NATS_PASSWORD": "test-password"})
     assert done.stdout.strip() == nats_access.sandbox_password("test-password")
+
+
+def test_the_clients_service_carries_no_monitoring_port(cpu):
+    """Tenants reach NATS through ``svc/nats``: it carries the client port alone, since the
+    monitoring endpoint names every tenant's connections and consumers; KEDA reads it on the
+    headless Service, inside the cluster."""
+    assert [p["name"] for p in one(cpu, "Service", "nats")["spec"]["ports"]] == ["client"]
+    assert "monitor" in {p["name"] for p in one(cpu, "Service", "nats-headless")["spec"]["ports"]}
