@@ -37,6 +37,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 
 from marlaas.platform.api import PRIORITIES
+from marlaas.platform.max_min import max_min_shares
 
 TAG_SCALE = 1000  # vLLM's priorities are integers: tags in thousandths of a token
 # a job's ``priority`` within its tenant's share: its rank (lower goes first)
@@ -98,17 +99,8 @@ def running_quotas(demand: Mapping[str, int], present: Iterable[str], weights: M
     present = sorted(set(present))
     if bound <= 0 or len(present) < 2:
         return None
-    left, open_, share = float(bound), {t: weights.get(t, 1.0) for t in present}, {}
-    while open_:
-        total = sum(open_.values())
-        capped = {t: demand.get(t, 0) for t in open_ if demand.get(t, 0) <= left * open_[t] / total}
-        if not capped:
-            share.update({t: left * w / total for t, w in open_.items()})
-            break
-        for t, wanted in capped.items():
-            share[t] = wanted
-            left -= wanted
-            del open_[t]
+    share = max_min_shares({t: weights.get(t, 1.0) for t in present}, {t: demand.get(t, 0) for t in present},
+                           total=bound)
     quotas = {t: max(int(s + 1e-9), min(demand.get(t, 0), 1)) for t, s in share.items()}
     spare = min(bound, sum(demand.get(t, 0) for t in present)) - sum(quotas.values())
     for t in sorted(share, key=lambda t: (quotas[t] - share[t], t)):  # the largest remainders first

@@ -57,6 +57,7 @@ import msgspec
 from marlaas.bench.report import TargetCheck
 from marlaas.bench.workload import WORKLOAD_DIR, WorkloadError
 from marlaas.platform.events import Span
+from marlaas.platform.max_min import max_min_shares
 from marlaas.platform.usage import tenant_of
 
 Interval = tuple[float, float]
@@ -246,24 +247,6 @@ def share_vs_weight(amounts: dict[str, float], weights: dict[str, float]) -> dic
         return None
     all_weights = sum(weights.values())
     return {t: (amounts.get(t, 0.0) / total) / (w / all_weights) for t, w in weights.items()}
-
-
-def max_min_shares(weights: dict[str, float], demand: dict[str, float | None]) -> dict[str, float]:
-    """Weighted max-min fair shares of one resource (water-filling): each tenant's ``demand`` (a
-    fraction of the resource; None: as much as it can get) is met if it is below its weighted share
-    of what the others leave, and what it leaves goes to the rest by weight."""
-    left, shares_, open_ = 1.0, {}, dict(weights)
-    while open_:
-        total = sum(open_.values())
-        capped = {t: d for t in open_ if (d := demand.get(t)) is not None and d < left * open_[t] / total}
-        if not capped:
-            shares_.update({t: left * w / total for t, w in open_.items()})
-            break
-        for t, d in capped.items():
-            shares_[t] = d
-            left -= d
-            del open_[t]
-    return shares_
 
 
 def share_vs_fair(amounts: dict[str, float], fair: dict[str, float]) -> dict[str, float] | None:
